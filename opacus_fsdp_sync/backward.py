@@ -1,0 +1,156 @@
+"""The ghost-clipping step: norm-only first backward without gradient sync, then the clipped one.
+
+:class:`SyncDPTensor` is what the criterion returned by our ``make_private`` gives back; its
+``backward()`` runs the two passes of Opacus's ``DPTensorFastGradientClipping.backward`` with the
+distributed controller around the first pass and the timers around each phase.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from opacus.utils.fast_gradient_clipping_utils import (
+    DPLossFastGradientClipping,
+    DPTensorFastGradientClipping,
+)
+
+from .distributed.controllers import NullController
+from .profiling.phases import phase
+from .profiling.timers import StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GhostStepContext:
+    """What a step needs besides the loss: the sync controller and the phase timer."""
+
+    controller: object = field(default_factory=NullController)
+    timer: StepTimer = field(default_factory=StepTimer)
+
+
+def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
+    if loss_reduction == "mean":
+        return torch.mean(loss_per_sample, dim=0)
+    if loss_reduction == "sum":
+        return torch.sum(loss_per_sample, dim=0)
+    raise ValueError(
+        f"loss_reduction = {loss_reduction!r}. Only 'sum' and 'mean' losses are supported"
+    )
+
+
+def reset_opacus_step_state(hooks) -> None:
+    """Forgets the activations and forward counters a failed step left on Opacus's hooks.
+
+    Without this, a step whose first backward raised leaves ``_forward_counter`` at 1 and the
+    next forward fails with a misleading "Parameter tying is not supported" error.
+    """
+    for module in hooks.iterate_submodules(hooks._module):
+        if hasattr(module, "activations"):
+            module.activations = []
+        if hasattr(module, "_forward_counter"):
+            module._forward_counter = 0
+        if hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+        for p in module.parameters(recurse=False):
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+
+
+class SyncDPTensor(DPTensorFastGradientClipping):
+    """A per-sample loss whose ``backward()`` skips gradient sync in the norm-only pass.
+
+    Arithmetic (``loss / k``, ``a + b``, ``-loss``, ...) returns a :class:`SyncDPTensor` carrying
+    the same step context, exactly as upstream returns its own type.
+    """
+
+    def __init__(self, module, optimizer, loss_per_sample, loss_reduction="mean", *, context=None):
+        super().__init__(module, optimizer, loss_per_sample, loss_reduction)
+        self.context = context if context is not None else GhostStepContext()
+
+    def _adopt(self, result: DPTensorFastGradientClipping) -> SyncDPTensor:
+        return SyncDPTensor(
+            self.module,
+            self.optimizer,
+            result.loss_per_sample,
+            result.loss_reduction,
+            context=self.context,
+        )
+
+    def __truediv__(self, other):
+        return self._adopt(super().__truediv__(other))
+
+    def __mul__(self, other):
+        return self._adopt(super().__mul__(other))
+
+    def __rmul__(self, other):
+        return self._adopt(super().__rmul__(other))
+
+    def __add__(self, other):
+        return self._adopt(super().__add__(other))
+
+    def __radd__(self, other):
+        return self._adopt(super().__radd__(other))
+
+    def __sub__(self, other):
+        return self._adopt(super().__sub__(other))
+
+    def __rsub__(self, other):
+        return self._adopt(super().__rsub__(other))
+
+    def __neg__(self):
+        return self._adopt(super().__neg__())
+
+    def backward(self) -> None:
+        """Runs both passes; gradient sync and Opacus hooks are restored even on error.
+
+        Raises:
+            ValueError: for a loss reduction other than ``"mean"`` or ``"sum"``.
+        """
+        controller, timer = self.context.controller, self.context.timer
+        reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
+        timer.flush()  # previous step's CUDA events, if any were left pending
+        ok = False
+        try:
+            with phase("first_backward"), timer.phase("first_backward"):
+                controller.begin_first_pass()
+                reduced_loss.backward(retain_graph=True)
+            ok = True
+        finally:
+            with phase("re-enable_sync"), timer.phase("re-enable_sync"):
+                controller.end_first_pass()
+            if not ok:
+                controller.abort()
+                reset_opacus_step_state(self.module)
+                self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
+        coeff = self.module.get_clipping_coef()
+        second_loss = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
+        self.module.disable_hooks()
+        try:
+            with phase("second_backward"), timer.phase("second_backward"):
+                second_loss.backward()
+        finally:
+            self.module.enable_hooks()
+        timer.end_step()
+
+
+class SyncDPLoss(DPLossFastGradientClipping):
+    """Opacus's ghost-clipping loss wrapper, returning :class:`SyncDPTensor` losses."""
+
+    def __init__(self, module, optimizer, criterion, loss_reduction="mean", *, context=None):
+        super().__init__(module, optimizer, criterion, loss_reduction)
+        self.context = context if context is not None else GhostStepContext()
+
+    def __call__(self, *args, shape=None, **kwargs) -> SyncDPTensor:
+        """Computes the per-sample loss exactly as upstream and wraps it for our backward."""
+        upstream = super().__call__(*args, shape=shape, **kwargs)
+        return SyncDPTensor(
+            self.module,
+            self.optimizer,
+            upstream.loss_per_sample,
+            upstream.loss_reduction,
+            context=self.context,
+        )

@@ -1,0 +1,26 @@
+"""Distributed-API detection and the per-API gradient-sync controllers."""
+
+from ._fsdp2_internals import FSDPInternalsError
+from .controllers import (
+    DDPController,
+    FSDP2Controller,
+    NullController,
+    UnsupportedConfigurationError,
+    make_controller,
+)
+from .detect import DDP, FSDP1, FSDP2, DistributedRoot, _get_fsdp_root_module, get_fsdp_root_module
+
+__all__ = [
+    "DDP",
+    "FSDP1",
+    "FSDP2",
+    "DDPController",
+    "DistributedRoot",
+    "FSDP2Controller",
+    "FSDPInternalsError",
+    "NullController",
+    "UnsupportedConfigurationError",
+    "_get_fsdp_root_module",
+    "get_fsdp_root_module",
+    "make_controller",
+]

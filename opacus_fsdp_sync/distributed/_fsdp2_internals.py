@@ -1,0 +1,145 @@
+"""The one place that touches private FSDP2 (``fully_shard``) attributes.
+
+Checked on torch 2.6 layouts (singular ``_fsdp_param_group``) and torch 2.13.0 (plural
+``_fsdp_param_groups``). Every accessor validates what it reads and raises
+:class:`FSDPInternalsError` naming the attribute and the torch version, rather than silently doing
+nothing: a missed gradient clear would leak unclipped gradients into a private update.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: torch releases (major.minor) on which these accessors were verified by the test-suite.
+VERIFIED_TORCH_VERSIONS = ("2.13",)
+_warned_unverified = False
+
+
+class FSDPInternalsError(RuntimeError):
+    """Raised when FSDP2 internals do not look as this torch release was verified to have them."""
+
+
+def _torch_minor() -> str:
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _fail(what: str) -> FSDPInternalsError:
+    return FSDPInternalsError(
+        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (verified on "
+        f"{', '.join(VERIFIED_TORCH_VERSIONS)}). Pass sync_optimization=False to PrivacyEngine "
+        "to run upstream Opacus unchanged, or install a verified torch release."
+    )
+
+
+def _warn_if_unverified() -> None:
+    global _warned_unverified
+    if not _warned_unverified and _torch_minor() not in VERIFIED_TORCH_VERSIONS:
+        _warned_unverified = True
+        warnings.warn(
+            f"opacus_fsdp_sync: FSDP2 internals were verified on torch "
+            f"{', '.join(VERIFIED_TORCH_VERSIONS)}, this is {torch.__version__}; the structure "
+            "checks passed, but run the exactness tests before trusting results.",
+            stacklevel=3,
+        )
+
+
+def param_groups(module: nn.Module) -> list:
+    """Returns the ``FSDPParamGroup`` objects owned by one FSDP2 module (possibly empty).
+
+    Args:
+        module: A module on which ``fully_shard`` was called.
+
+    Raises:
+        FSDPInternalsError: if the FSDP state has neither known attribute.
+    """
+    _warn_if_unverified()
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _fail(f"_get_fsdp_state() on {type(module).__name__}")
+    state = get_state()
+    if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.9 (plural; may hold several)
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):  # torch 2.6 - 2.8 (one group or None)
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise _fail("FSDPState._fsdp_param_groups / _fsdp_param_group")
+
+
+def iter_param_groups(modules: list[nn.Module]) -> Iterator:
+    """Yields every ``FSDPParamGroup`` under ``modules`` once (FSDP modules found recursively)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                for group in param_groups(m):
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        yield group
+
+
+def fsdp_params(group) -> list:
+    """Returns the ``FSDPParam`` list of one group."""
+    params = getattr(group, "fsdp_params", None)
+    if params is None:
+        raise _fail("FSDPParamGroup.fsdp_params")
+    return list(params)
+
+
+def get_sync_flags(group) -> tuple[bool, bool]:
+    """Returns ``(reduce_grads, all_reduce_grads)`` of a group: the user's sync settings."""
+    try:
+        return bool(group.reduce_grads), bool(group.all_reduce_grads)
+    except AttributeError as err:
+        raise _fail("FSDPParamGroup.reduce_grads / all_reduce_grads") from err
+
+
+def set_sync_flags(group, flags: tuple[bool, bool]) -> None:
+    """Restores ``(reduce_grads, all_reduce_grads)`` saved by :func:`get_sync_flags`."""
+    group.reduce_grads, group.all_reduce_grads = flags
+
+
+def unsharded_param(fsdp_param) -> nn.Parameter | None:
+    """The unsharded parameter autograd accumulates into, or None before FSDP's lazy init."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def take_unsharded_grads(fsdp_param) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Detaches and returns ``(unsharded_param.grad, unsharded_accumulated_grad)``.
+
+    Both are set to None on the ``FSDPParam``. The second exists when the reduce dtype differs
+    from the parameter dtype (e.g. bf16 params with fp32 reduce).
+    """
+    if not hasattr(fsdp_param, "unsharded_accumulated_grad"):
+        raise _fail("FSDPParam.unsharded_accumulated_grad")
+    param = unsharded_param(fsdp_param)
+    grad = None
+    if param is not None:
+        grad, param.grad = param.grad, None
+    acc, fsdp_param.unsharded_accumulated_grad = fsdp_param.unsharded_accumulated_grad, None
+    return grad, acc
+
+
+def put_unsharded_grads(fsdp_param, grads: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Puts back gradients taken by :func:`take_unsharded_grads`."""
+    grad, acc = grads
+    param = unsharded_param(fsdp_param)
+    if param is not None:
+        param.grad = grad
+    fsdp_param.unsharded_accumulated_grad = acc
+
+
+def holds_unsharded_grad(fsdp_param) -> bool:
+    """True when the ``FSDPParam`` holds any unsharded (unreduced) gradient."""
+    param = unsharded_param(fsdp_param)
+    return (param is not None and param.grad is not None) or getattr(
+        fsdp_param, "unsharded_accumulated_grad", None
+    ) is not None

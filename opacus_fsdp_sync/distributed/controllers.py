@@ -1,0 +1,177 @@
+"""Per-API control of gradient synchronisation around the norm-only first backward.
+
+Each controller has the same two methods. ``begin_first_pass`` turns gradient sync off and makes
+sure the pass leaves no gradient behind; ``end_first_pass`` (always called, in ``finally``) drops
+whatever the pass produced and restores the user's own settings and gradients exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from . import _fsdp2_internals as internals
+from .detect import DDP, FSDP1, FSDP2, DistributedRoot
+
+logger = logging.getLogger("opacus_fsdp_sync")
+
+
+class UnsupportedConfigurationError(ValueError):
+    """A model/API combination that the sync-skipping backward cannot handle."""
+
+
+class NullController:
+    """Single device, or the optimisation switched off: the first pass runs unchanged."""
+
+    api: str | None = None
+    enabled_message = ""
+
+    def begin_first_pass(self) -> None:
+        """Does nothing."""
+
+    def end_first_pass(self) -> None:
+        """Does nothing."""
+
+    def abort(self) -> None:
+        """Does nothing."""
+
+
+class FSDP2Controller:
+    """FSDP2 (``fully_shard``): no reduce-scatter in the first pass, nothing of it kept.
+
+    ``begin_first_pass`` saves each parameter group's sync flags and sets them off, moves any
+    unsharded gradient the user accumulated aside, and hooks every unsharded parameter so that
+    each first-pass gradient is dropped as soon as autograd accumulates it (so the pass never
+    holds a full unsharded gradient copy). ``end_first_pass`` removes the hooks, clears anything
+    left, puts the user's gradients back and restores the saved flags.
+    """
+
+    api = FSDP2
+    enabled_message = (
+        "[Ghost] FSDP2 optimization enabled: disabling gradient sync for first backward"
+    )
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self._saved_flags: list[tuple[object, tuple[bool, bool]]] = []
+        self._stash: list[tuple[object, tuple]] = []
+        self._hooks: list = []
+
+    def begin_first_pass(self) -> None:
+        """Turns gradient sync off and arms the early gradient drop."""
+        groups = list(internals.iter_param_groups(self.modules))
+        self._saved_flags = [(g, internals.get_sync_flags(g)) for g in groups]
+        for g in groups:
+            internals.set_sync_flags(g, (False, False))
+        for g in groups:
+            for fp in internals.fsdp_params(g):
+                taken = internals.take_unsharded_grads(fp)
+                if taken != (None, None):
+                    self._stash.append((fp, taken))
+                param = internals.unsharded_param(fp)
+                if param is not None and param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(_drop_grad))
+
+    def end_first_pass(self) -> None:
+        """Drops first-pass gradients and restores the user's gradients and sync flags."""
+        try:
+            for handle in self._hooks:
+                handle.remove()
+            for g, _ in self._saved_flags:
+                for fp in internals.fsdp_params(g):
+                    internals.take_unsharded_grads(fp)
+            for fp, grads in self._stash:
+                internals.put_unsharded_grads(fp, grads)
+        finally:
+            for g, flags in self._saved_flags:
+                internals.set_sync_flags(g, flags)
+            self._hooks, self._stash, self._saved_flags = [], [], []
+
+    def abort(self) -> None:
+        """Resets FSDP2's per-iteration state after a backward raised midway.
+
+        Uses the public ``FSDPModule.reset_iter_state()`` (torch >= 2.12) on the root; without it
+        the next backward silently skips some reduce-scatters, so older torch gets a loud error.
+        """
+        reset_any = False
+        for module in self.modules:
+            reset = getattr(module, "reset_iter_state", None)
+            if reset is None:
+                raise internals.FSDPInternalsError(
+                    f"A backward failed and torch {torch.__version__} has no "
+                    "FSDPModule.reset_iter_state() to recover FSDP2; the next step would be wrong. "
+                    "Restart from a checkpoint, or use torch >= 2.12."
+                )
+            try:
+                reset()
+                reset_any = True
+            except RuntimeError:  # not the root FSDP state: reset through the root
+                continue
+        if not reset_any:
+            logger.warning("[Ghost] could not reset FSDP2 iteration state after a failed backward")
+
+
+def _drop_grad(param: nn.Parameter) -> None:
+    param.grad = None
+
+
+class DDPController:
+    """DDP: the first pass runs under ``no_sync()`` so its bucketed all-reduce is skipped."""
+
+    api = DDP
+    enabled_message = "[Ghost] DDP optimization enabled: using no_sync() for first backward"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._ctx: contextlib.AbstractContextManager | None = None
+
+    def begin_first_pass(self) -> None:
+        """Enters ``no_sync()``."""
+        self._ctx = self.module.no_sync()
+        self._ctx.__enter__()
+
+    def end_first_pass(self) -> None:
+        """Leaves ``no_sync()``."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Nothing to reset for DDP: its reducer re-arms at the next forward."""
+
+
+def make_controller(root: DistributedRoot, *, enabled: bool):
+    """Builds the controller for a detected API.
+
+    Args:
+        root: the result of :func:`~opacus_fsdp_sync.distributed.detect.get_fsdp_root_module`.
+        enabled: False returns a :class:`NullController` (upstream behaviour).
+
+    Raises:
+        UnsupportedConfigurationError: for FSDP1 (its retained-graph double backward fails in
+            torch's FSDP1 itself).
+    """
+    if root.api == FSDP1:
+        raise UnsupportedConfigurationError(
+            "Ghost clipping under FSDP1 (FullyShardedDataParallel) is not supported yet: FSDP1 "
+            "frees the unsharded parameters the retained graph points into at the end of the "
+            "first backward, so the second backward fails. Shard the model with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard) and use grad_sample_mode='ghost_fsdp'."
+        )
+    if not enabled or root.api is None:
+        return NullController()
+    if root.api == FSDP2:
+        missing = [m for m in root.modules if not hasattr(m, "set_requires_gradient_sync")]
+        if missing:
+            logger.warning("Warning: FSDP detected but sync control not available")
+            return NullController()
+        return FSDP2Controller(root.modules)
+    if root.api == DDP:
+        if not hasattr(root.modules[0], "no_sync"):
+            logger.warning("Warning: FSDP detected but sync control not available")
+            return NullController()
+        return DDPController(root.modules[0])
+    raise AssertionError(f"unknown API {root.api!r}")

@@ -1,0 +1,71 @@
+"""Which distributed API wraps a model, and which of its modules to control."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+#: The API names :func:`get_fsdp_root_module` can report.
+FSDP2, FSDP1, DDP = "fsdp2", "fsdp1", "ddp"
+
+
+class DistributedRoot(NamedTuple):
+    """The modules to control and the API in use (``None`` for a single-device model)."""
+
+    modules: list[nn.Module]
+    api: str | None
+
+
+def _unwrap(module: object) -> nn.Module:
+    """Returns the user's model behind an Opacus GradSampleModule or hooks object."""
+    while isinstance(module, AbstractGradSampleHooks):
+        module = module._module
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"get_fsdp_root_module expects an nn.Module, an Opacus GradSampleModule or an Opacus "
+            f"hooks object; got {type(module).__name__}."
+        )
+    return module
+
+
+def _outermost(model: nn.Module, cls: type) -> list[nn.Module]:
+    """Every module of type ``cls`` in ``model`` that has no ancestor of that type."""
+    if isinstance(model, cls):
+        return [model]
+    found: list[nn.Module] = []
+    for child in model.children():
+        found.extend(_outermost(child, cls))
+    return found
+
+
+def _get_fsdp_root_module(module: object) -> DistributedRoot:
+    """Finds the distributed wrapper(s) of a model and the API in use.
+
+    Args:
+        module: an Opacus GradSampleModule, a non-wrapping Opacus hooks object
+            (``wrap_model=False``) or a bare model.
+
+    Returns:
+        ``(modules, api)``: the outermost FSDP2 modules (several when only blocks are sharded
+        and the root is not), the outermost FSDP1 instances, or the DDP module; ``api`` is
+        ``"fsdp2"``, ``"fsdp1"``, ``"ddp"`` or ``None`` (``modules`` then empty).
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    model = _unwrap(module)
+    if isinstance(model, DistributedDataParallel):
+        return DistributedRoot([model], DDP)
+    fsdp2 = _outermost(model, FSDPModule)
+    if fsdp2:
+        return DistributedRoot(fsdp2, FSDP2)
+    fsdp1 = _outermost(model, FullyShardedDataParallel)
+    if fsdp1:
+        return DistributedRoot(fsdp1, FSDP1)
+    return DistributedRoot([], None)
+
+
+#: Public alias of :func:`_get_fsdp_root_module`.
+get_fsdp_root_module = _get_fsdp_root_module

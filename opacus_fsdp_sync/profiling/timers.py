@@ -1,0 +1,111 @@
+"""Per-phase step timers: CUDA events on CUDA, ``time.perf_counter`` on CPU.
+
+On CUDA the events are only recorded inside the step; they are read (which waits for them) when
+the timings are asked for, so timing adds no synchronisation inside a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("opacus_fsdp_sync")
+
+#: Environment variable that switches step timing on when set to ``1``.
+TIMING_ENV = "OPACUS_FSDP_SYNC_TIMING"
+
+
+def timing_enabled_from_env() -> bool:
+    """Returns True when ``OPACUS_FSDP_SYNC_TIMING`` is set to ``1``, ``true`` or ``yes``."""
+    return os.environ.get(TIMING_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+@dataclass
+class _Pending:
+    name: str
+    start: object
+    end: object = None
+
+
+@dataclass
+class StepTimer:
+    """Times named phases of one step and logs them as ``[Ghost] name: X.XXX ms``.
+
+    Attributes:
+        enabled: When False every method is a no-op (no events, no clock reads).
+        device: Device whose clock is used: CUDA events on a CUDA device, else wall clock.
+        log: Whether resolved timings are logged through ``logging.getLogger("opacus_fsdp_sync")``.
+    """
+
+    enabled: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    log: bool = True
+    _pending: list[_Pending] = field(default_factory=list, repr=False)
+    _last: dict[str, float] = field(default_factory=dict, repr=False)
+
+    @property
+    def clock(self) -> str:
+        """``"cuda_event"`` or ``"perf_counter"``: the clock the timings come from."""
+        return "cuda_event" if self.device.type == "cuda" else "perf_counter"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times the ``with`` block as phase ``name`` of the current step."""
+        if not self.enabled:
+            yield
+            return
+        if self.clock == "cuda_event":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = _Pending(name, start)
+            try:
+                yield
+            finally:
+                pending.end = torch.cuda.Event(enable_timing=True)
+                pending.end.record()
+                self._pending.append(pending)
+        else:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._pending.append(_Pending(name, start, time.perf_counter()))
+
+    def end_step(self) -> None:
+        """Closes the step: on CPU resolves and logs at once; on CUDA defers to :meth:`flush`."""
+        if self.enabled and self.clock == "perf_counter":
+            self.flush()
+
+    def flush(self) -> dict[str, float]:
+        """Resolves the recorded phases (waiting for CUDA events), logs them and returns them.
+
+        Returns:
+            Milliseconds per phase of the last completed step (empty when nothing was timed).
+        """
+        if not self._pending:
+            return dict(self._last)
+        resolved: dict[str, float] = {}
+        for item in self._pending:
+            if self.clock == "cuda_event":
+                item.end.synchronize()
+                ms = item.start.elapsed_time(item.end)
+            else:
+                ms = (item.end - item.start) * 1e3
+            resolved[item.name] = resolved.get(item.name, 0.0) + ms
+        self._pending.clear()
+        if self.log:
+            for name, ms in resolved.items():
+                logger.info("[Ghost] %s: %.3f ms", name, ms)
+        self._last = resolved
+        return dict(resolved)
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """Milliseconds per phase of the last step (resolves pending CUDA events first)."""
+        return self.flush()

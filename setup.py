@@ -1,0 +1,22 @@
+"""Packaging metadata for opacus-fsdp-sync."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="opacus-fsdp-sync",
+    version="0.1.0",
+    description=(
+        "Opacus ghost clipping under PyTorch FSDP without the first backward's "
+        "gradient synchronisation, bit-exact with upstream Opacus."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["opacus_fsdp_sync", "opacus_fsdp_sync.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "opacus>=1.6,<1.7", "numpy"],
+    extras_require={
+        "llama": ["transformers>=4.45"],
+        "plot": ["matplotlib"],
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "transformers>=4.45", "matplotlib"],
+    },
+)

@@ -1,0 +1,172 @@
+"""One device (``grad_sample_mode="ghost"``): the engine is a drop-in and changes nothing."""
+
+import copy
+import logging
+import warnings
+
+import opacus
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import PrivacyEngine, SyncDPTensor
+from opacus_fsdp_sync.profiling import StepTimer
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.models import ToyNet, toy_sample_loss
+
+warnings.filterwarnings("ignore")
+B = 8
+
+
+@pytest.fixture()
+def setup():
+    torch.manual_seed(0)
+    base = ToyNet()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2 * B, 16, generator=g), torch.randint(0, 8, (2 * B,), generator=g)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), toy_sample_loss, x[:B], y[:B], 1.0)
+    C = norms.median().item()
+    assert 0 < (norms > C).sum() < B
+    return base, x, y, C
+
+
+def _train(engine, base, x, y, C, steps=2, combine=None, **kw):
+    model = copy.deepcopy(base)
+    loader = DataLoader(TensorDataset(x, y), batch_size=B)
+    gsm, opt, crit, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader,
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+        **kw,
+    )
+    forward = gsm if kw.get("wrap_model", True) else model  # hooks object is not callable
+    losses = []
+    for s in range(steps):
+        loss = crit(forward(x[s * B : (s + 1) * B]), y[s * B : (s + 1) * B])
+        if combine is not None:
+            loss = combine(loss)
+        losses.append(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _loop(base, x, y, C, steps=2):
+    ref = copy.deepcopy(base)
+    for s in range(steps):
+        clip_each_sample_step(
+            ref, toy_sample_loss, x[s * B : (s + 1) * B], y[s * B : (s + 1) * B], C, 0.5
+        )
+    return {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_ghost_equals_upstream_and_loop(setup, sync):
+    base, x, y, C = setup
+    ours, losses = _train(PrivacyEngine(sync_optimization=sync), base, x, y, C)
+    upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
+    assert all(isinstance(loss, SyncDPTensor) for loss in losses)
+    assert _diff(ours, upstream) == 0.0
+    assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
+    assert _diff(ours, {n: p for n, p in base.named_parameters()}) > 1e-3
+
+
+def test_make_private_keyword_overrides_engine(setup):
+    base, x, y, C = setup
+    engine = PrivacyEngine(sync_optimization=True)
+    ours, _ = _train(engine, base, x, y, C, sync_optimization=False)
+    assert engine.sync_api is None
+    assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
+
+
+def test_wrap_model_false(setup):
+    base, x, y, C = setup
+    ours, losses = _train(PrivacyEngine(), base, x, y, C, wrap_model=False)
+    upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C, wrap_model=False)
+    assert isinstance(losses[0], SyncDPTensor)
+    assert _diff(ours, upstream) == 0.0
+    assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
+
+
+def test_loss_arithmetic_keeps_our_backward(setup):
+    base, x, y, C = setup
+    plain, _ = _train(PrivacyEngine(), base, x, y, C)
+    combined, losses = _train(
+        PrivacyEngine(), base, x, y, C, combine=lambda loss: (loss * 0.5 + 0.5 * loss) / 1.0
+    )
+    assert all(isinstance(loss, SyncDPTensor) for loss in losses)
+    assert _diff(plain, combined) <= 1e-7
+
+
+def test_make_private_with_epsilon(setup):
+    base, x, y, _ = setup
+    model = copy.deepcopy(base)
+    engine = PrivacyEngine(timing=True)
+    gsm, opt, crit, _ = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=1,
+        max_grad_norm=1.0,
+        grad_sample_mode="ghost",
+        sync_optimization=True,
+    )
+    assert opt.noise_multiplier > 0
+    loss = crit(gsm(x[:B]), y[:B])
+    assert isinstance(loss, SyncDPTensor)
+    loss.backward()
+    opt.step()
+    assert set(engine.last_step_timings) == {"first_backward", "re-enable_sync", "second_backward"}
+    assert engine.get_epsilon(1e-5) > 0
+
+
+def test_unsupported_reduction_is_refused(setup):
+    base, x, y, C = setup
+    model = copy.deepcopy(base)
+    gsm, opt, crit, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+    loss = crit(gsm(x[:B]), y[:B])
+    loss.loss_reduction = "max"
+    with pytest.raises(ValueError, match="Only 'sum' and 'mean'"):
+        loss.backward()
+
+
+def test_timing_env_and_off_by_default(monkeypatch, caplog):
+    monkeypatch.delenv("OPACUS_FSDP_SYNC_TIMING", raising=False)
+    assert PrivacyEngine().timing is False
+    monkeypatch.setenv("OPACUS_FSDP_SYNC_TIMING", "1")
+    assert PrivacyEngine().timing is True
+    off = StepTimer(enabled=False)
+    with off.phase("x"):
+        pass
+    assert off.flush() == {} and off._pending == []
+    on = StepTimer(enabled=True)
+    with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
+        with on.phase("first_backward"):
+            sum(range(1000))
+        on.end_step()
+    assert on.clock == "perf_counter"
+    assert on.last_step["first_backward"] > 0
+    assert any(r.getMessage().startswith("[Ghost] first_backward: ") for r in caplog.records)
