@@ -1,16 +1,23 @@
 """Timers, the collective counter and phase markers shared by the engine, tests and harness."""
 
 from .comm_counter import CollectiveCounter, CollectiveStats
+from .memory import peak_memory, reset_peak
+from .modes import MODES, ModeSpec, get_mode
 from .phases import STEP_PHASES, current_phase, phase
 from .timers import TIMING_ENV, StepTimer, timing_enabled_from_env
 
 __all__ = [
+    "MODES",
+    "ModeSpec",
+    "get_mode",
     "STEP_PHASES",
     "TIMING_ENV",
     "CollectiveCounter",
     "CollectiveStats",
     "StepTimer",
     "current_phase",
+    "peak_memory",
+    "reset_peak",
     "phase",
     "timing_enabled_from_env",
 ]

@@ -1,0 +1,293 @@
+"""One profiling experiment (one mode, one sequence length) per process; torchrun-compatible.
+
+A thin client of ``opacus_fsdp_sync``: the engine, the timers, the collective counter, the memory
+probe, the mode table and the Llama presets all come from the package. Rank 0 writes one JSON
+result and prints progress and ``[Ghost]`` lines.
+
+Example::
+
+    torchrun --standalone --nproc-per-node 2 profile_experiment.py --mode ghost_fsdp_sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import opacus
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.distributed.env import init_distributed
+from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters, decoder_layers
+from opacus_fsdp_sync.profiling import (
+    CollectiveCounter,
+    StepTimer,
+    get_mode,
+    peak_memory,
+    phase,
+    reset_peak,
+)
+from opacus_fsdp_sync.sharding import shard_transformer
+
+logger = logging.getLogger("opacus_fsdp_sync.profile")
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    """One experiment. Every field is a CLI flag (``--seq-length`` for ``seq_length``)."""
+
+    model: str = "small"
+    """Preset name (``tiny``, ``small``, ``llama3.2-1b``)."""
+    model_path: str | None = None
+    """A local checkpoint directory instead of random weights."""
+    task: str = "causal_lm"
+    """``causal_lm`` or ``seq_cls``."""
+    mode: str = "ghost_fsdp_sync"
+    """A row of ``opacus_fsdp_sync.profiling.MODES``."""
+    fsdp_api: str = "fsdp2"
+    """Only ``fsdp2`` for now."""
+    seq_length: int = 128
+    """Tokens per sample."""
+    batch_size: int = 4
+    """Samples per rank per step."""
+    steps: int = 5
+    """Measured steps."""
+    warmup: int = 2
+    """Steps run first and dropped."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 params/fp32 reduce on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
+    untie: bool = False
+    """Untie input embedding and output head (reports the extra parameters)."""
+    max_grad_norm: float = 1.0
+    """Clipping bound."""
+    noise_multiplier: float = 1.0
+    """Noise multiplier (the cost of noise is part of a private step)."""
+    lr: float = 1e-4
+    """Learning rate (SGD)."""
+    out: str = "runs/latest"
+    """Directory of the JSON result."""
+    name: str | None = None
+    """Result file stem; defaults to ``{mode}_seq{seq_length}``."""
+
+    def __post_init__(self) -> None:
+        get_mode(self.mode)
+        if self.fsdp_api != "fsdp2":
+            raise ValueError(f"fsdp_api={self.fsdp_api!r}: only 'fsdp2' is supported so far")
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: auto, bf16 or fp32")
+        for f in ("seq_length", "batch_size", "steps"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f}={getattr(self, f)}: must be at least 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup}: must be >= 0")
+
+
+def parse_args(argv: list[str] | None = None) -> ExperimentConfig:
+    """Maps CLI flags one-to-one onto :class:`ExperimentConfig` fields."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(ExperimentConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default)
+    return ExperimentConfig(**vars(parser.parse_args(argv)))
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _batches(cfg: ExperimentConfig, vocab: int, rank: int):
+    g = torch.Generator().manual_seed(1234 + rank)
+    ids = torch.randint(1, vocab, (cfg.batch_size, cfg.seq_length), generator=g)
+    labels = torch.randint(0, 2, (cfg.batch_size,), generator=g)
+    return ids, labels
+
+
+def _loss(cfg, model, criterion, ids, labels, private):
+    if cfg.task == "seq_cls":
+        return criterion(model(input_ids=ids).logits, labels)
+    logits = model(input_ids=ids).logits[:, :-1]
+    targets = ids[:, 1:]
+    flat = (logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return criterion(*flat, shape=logits.shape[:2]) if private else criterion(*flat)
+
+
+def run(cfg: ExperimentConfig) -> dict:
+    """Builds, shards, (makes private,) trains and measures; returns the result dict."""
+    rank, world, device = init_distributed()
+    mode = get_mode(cfg.mode)
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if device.type == "cuda" else "fp32"
+    torch.manual_seed(0)
+    spec = LlamaSpec(
+        preset=cfg.model,
+        task=cfg.task,
+        model_path=cfg.model_path,
+        tie_word_embeddings=False if cfg.untie else None,
+    )
+    with torch.device(device):
+        model = build_llama(spec)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and cfg.task == "causal_lm"
+    n_params = count_parameters(model)
+    if rank == 0:
+        logger.info(
+            "[Ghost] model %s (%s): %s parameters, tied embeddings: %s",
+            cfg.model,
+            cfg.task,
+            f"{n_params:,}",
+            tied,
+        )
+    mesh = init_device_mesh(device.type, (world,))
+    shard_transformer(model, decoder_layers(model), mesh, mixed_precision=mp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    criterion = nn.CrossEntropyLoss()
+    engine = None
+    vocab = model.config.vocab_size
+    if mode.private:
+        engine = PrivacyEngine(timing=True, **mode.engine_kwargs)
+        dummy = TensorDataset(torch.zeros(cfg.batch_size * world, 1))
+        model, optimizer, criterion, _ = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            criterion=criterion,
+            data_loader=DataLoader(dummy, batch_size=cfg.batch_size * world),
+            noise_multiplier=cfg.noise_multiplier,
+            max_grad_norm=cfg.max_grad_norm,
+            poisson_sampling=False,
+            grad_sample_mode=mode.grad_sample_mode,
+        )
+    ids, labels = _batches(cfg, vocab, rank)
+    ids, labels = ids.to(device), labels.to(device)
+    timer = StepTimer(enabled=True, device=device)
+    counter = CollectiveCounter()
+    per_phase: dict[str, list[float]] = {}
+    losses = []
+    total = cfg.warmup + cfg.steps
+    for i in range(total):
+        measured = i >= cfg.warmup
+        if i == cfg.warmup:
+            reset_peak(device)
+        if measured:
+            counter.__enter__()
+        try:
+            with timer.phase("step"):
+                with phase("forward"), timer.phase("forward"):
+                    loss = _loss(cfg, model, criterion, ids, labels, mode.private)
+                if mode.private:
+                    loss.backward()
+                else:
+                    with phase("backward"), timer.phase("backward"):
+                        loss.backward()
+                with phase("optimizer_step"), timer.phase("optimizer_step"):
+                    optimizer.step()
+                    optimizer.zero_grad()
+        finally:
+            if measured:
+                counter.__exit__(None, None, None)
+        timings = timer.flush()
+        if engine is not None:
+            timings.update(engine.last_step_timings)
+        losses.append(float(loss.item() if hasattr(loss, "item") else loss))
+        if measured:
+            for k, v in timings.items():
+                per_phase.setdefault(k, []).append(v)
+        if rank == 0:
+            tag = "measured" if measured else "warm-up"
+            print(f"  step {i + 1}/{total} ({tag}): {timings['step']:.1f} ms", flush=True)
+    step_ms = per_phase.pop("step")
+    comm = {
+        p: {
+            k: {"count": v["count"] / cfg.steps, "bytes": v["bytes"] / cfg.steps}
+            for k, v in kinds.items()
+        }
+        for p, kinds in counter.as_dict().items()
+    }
+    median_s = statistics.median(step_ms) / 1e3
+    return {
+        "config": dataclasses.asdict(cfg),
+        "mode_description": mode.description,
+        "environment": {
+            "torch": torch.__version__,
+            "opacus": opacus.__version__,
+            "python": platform.python_version(),
+            "device": _device_name(device),
+            "world_size": world,
+            "backend": dist.get_backend(),
+            "mixed_precision": mp,
+            "clock": timer.clock,
+            "warmup_steps_dropped": cfg.warmup,
+            "measured_steps": cfg.steps,
+            "host": platform.node(),
+        },
+        "model": {"parameters": n_params, "tied_embeddings": tied},
+        "sync_api": engine.sync_api if engine is not None else None,
+        "phases_ms": {k: _summary(v) for k, v in per_phase.items()},
+        "step_ms": _summary(step_ms),
+        "tokens_per_s": cfg.batch_size * cfg.seq_length * world / median_s,
+        "comm_per_step": comm,
+        "peak_memory": peak_memory(device),
+        "losses": losses,
+        "status": "ok",
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one experiment and writes ``{out}/{name}.json`` on rank 0."""
+    # Opacus installs a root handler at import time; replace it so [Ghost] lines reach stdout.
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    warnings.filterwarnings("ignore", message="Secure RNG turned off")
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    cfg = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        result = run(cfg)
+        if dist.get_rank() == 0:
+            out = Path(cfg.out)
+            out.mkdir(parents=True, exist_ok=True)
+            name = cfg.name or f"{cfg.mode}_seq{cfg.seq_length}"
+            result["wall_s"] = time.perf_counter() - start
+            (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+            logger.info(
+                "[Ghost] %s: step %.1f ms (median), %.0f tokens/s -> %s",
+                name,
+                result["step_ms"]["median"],
+                result["tokens_per_s"],
+                out / name,
+            )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch 2.13 CPU: normal teardown after FSDP use can abort
+
+
+if __name__ == "__main__":
+    main()

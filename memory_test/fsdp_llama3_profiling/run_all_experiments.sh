@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Profiling suite: every (mode, sequence length) in a fresh torchrun process, then a summary table
+# (Markdown + CSV) and plots. Environment overrides (defaults depend on whether a GPU is present):
+#   NPROC, MODEL, TASK, MODES, SEQ_LENGTHS, BATCH_SIZE, STEPS, WARMUP, OUT, MODEL_PATH, EXTRA_ARGS
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON=${PYTHON:-python3}
+
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$GPUS" -gt 0 ]; then
+  NPROC=${NPROC:-$GPUS}; MODEL=${MODEL:-llama3.2-1b}; SEQ_LENGTHS=${SEQ_LENGTHS:-1024}
+  BATCH_SIZE=${BATCH_SIZE:-2}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-3}
+else
+  NPROC=${NPROC:-2}; MODEL=${MODEL:-small}; SEQ_LENGTHS=${SEQ_LENGTHS:-"64 128"}
+  BATCH_SIZE=${BATCH_SIZE:-4}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-2}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+fi
+TASK=${TASK:-causal_lm}
+MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync"}
+OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
+MODEL_PATH=${MODEL_PATH:-}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+mkdir -p "$OUT/logs"
+
+total=0
+for seq in $SEQ_LENGTHS; do for mode in $MODES; do total=$((total + 1)); done; done
+echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP"
+echo "Results: $OUT"
+
+i=0; failed=()
+for seq in $SEQ_LENGTHS; do
+  for mode in $MODES; do
+    i=$((i + 1)); name="${mode}_seq${seq}"
+    echo "experiment $i/$total: $name"
+    args=(--model "$MODEL" --task "$TASK" --mode "$mode" --seq-length "$seq"
+          --batch-size "$BATCH_SIZE" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT" --name "$name")
+    [ -n "$MODEL_PATH" ] && args+=(--model-path "$MODEL_PATH")
+    # shellcheck disable=SC2206
+    [ -n "$EXTRA_ARGS" ] && args+=($EXTRA_ARGS)
+    if ! "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        "$HERE/profile_experiment.py" "${args[@]}" >"$OUT/logs/$name.log" 2>&1 \
+        || [ ! -f "$OUT/$name.json" ]; then
+      echo "  FAILED: $name (log: $OUT/logs/$name.log)"; tail -n 5 "$OUT/logs/$name.log" | sed 's/^/    /'
+      printf '{"config": {"mode": "%s", "seq_length": %s}, "status": "failed"}\n' "$mode" "$seq" >"$OUT/$name.json"
+      failed+=("$name")
+    else
+      grep -E "^\[Ghost\] $name:" "$OUT/logs/$name.log" | sed 's/^/  /' || true
+    fi
+  done
+done
+
+"$PYTHON" "$HERE/summarize.py" "$OUT"
+"$PYTHON" "$HERE/plot_results.py" "$OUT" || echo "plots skipped (install the 'plot' extra: pip install -e .[plot])"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed experiments (${#failed[@]}/$total): ${failed[*]}"; exit 1
+fi
+echo "all $total experiments succeeded"

@@ -1,0 +1,138 @@
+"""Summary table of a run: Markdown and CSV from the experiments' JSON results.
+
+Each mode's median step time is given as a ratio to ``ghost_fsdp`` (upstream) and to ``no_dp``
+(the non-private floor) at the same sequence length.
+
+Usage: ``python summarize.py RUN_DIR`` (writes ``summary.md`` and ``summary.csv`` there and prints
+the Markdown table).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+from opacus_fsdp_sync.profiling import MODES
+
+COLUMNS = [
+    "mode",
+    "seq",
+    "step_ms_median",
+    "step_ms_min",
+    "step_ms_max",
+    "vs_ghost_fsdp",
+    "vs_no_dp",
+    "tokens_per_s",
+    "first_backward_ms",
+    "second_backward_ms",
+    "rs_MiB_first_backward",
+    "rs_MiB_per_step",
+    "ag_MiB_per_step",
+    "rs_per_step",
+    "ag_per_step",
+    "peak_mem_MiB",
+    "status",
+]
+
+
+def _comm(result: dict, kind: str, phase: str | None = None, field: str = "bytes") -> float:
+    phases = result.get("comm_per_step", {})
+    keys = [phase] if phase else list(phases)
+    return sum(phases.get(p, {}).get(kind, {}).get(field, 0.0) for p in keys)
+
+
+def load(run_dir: Path) -> list[dict]:
+    """Loads every experiment JSON of a run (failed experiments included)."""
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """One row per experiment, with ratios to the baselines of the same sequence length."""
+    base = {}
+    for r in results:
+        if r.get("status") == "ok":
+            base[(r["config"]["mode"], r["config"]["seq_length"])] = r["step_ms"]["median"]
+    out = []
+    order = {m: i for i, m in enumerate(MODES)}
+
+    def key(r: dict) -> tuple:
+        return r["config"]["seq_length"], order.get(r["config"]["mode"], len(order))
+
+    for r in sorted(results, key=key):
+        cfg = r["config"]
+        row = {"mode": cfg["mode"], "seq": cfg["seq_length"], "status": r.get("status", "?")}
+        if r.get("status") == "ok":
+            med = r["step_ms"]["median"]
+            ph = r["phases_ms"]
+            up = base.get(("ghost_fsdp", cfg["seq_length"]))
+            floor = base.get(("no_dp", cfg["seq_length"]))
+            row.update(
+                step_ms_median=f"{med:.1f}",
+                step_ms_min=f"{r['step_ms']['min']:.1f}",
+                step_ms_max=f"{r['step_ms']['max']:.1f}",
+                vs_ghost_fsdp=f"{med / up:.3f}" if up else "",
+                vs_no_dp=f"{med / floor:.3f}" if floor else "",
+                tokens_per_s=f"{r['tokens_per_s']:.0f}",
+                first_backward_ms=f"{ph['first_backward']['median']:.1f}"
+                if "first_backward" in ph
+                else "",
+                second_backward_ms=f"{ph['second_backward']['median']:.1f}"
+                if "second_backward" in ph
+                else "",
+                rs_MiB_first_backward=f"{_comm(r, 'reduce_scatter', 'first_backward') / 2**20:.2f}",
+                rs_MiB_per_step=f"{_comm(r, 'reduce_scatter') / 2**20:.2f}",
+                ag_MiB_per_step=f"{_comm(r, 'all_gather') / 2**20:.2f}",
+                rs_per_step=f"{_comm(r, 'reduce_scatter', field='count'):g}",
+                ag_per_step=f"{_comm(r, 'all_gather', field='count'):g}",
+                peak_mem_MiB=f"{r['peak_memory']['bytes'] / 2**20:.0f}",
+            )
+        out.append(row)
+    return out
+
+
+def markdown(table: list[dict], results: list[dict]) -> str:
+    """The table as Markdown, headed by the environment of the first result."""
+    lines = []
+    ok = [r for r in results if r.get("status") == "ok"]
+    if ok:
+        env, model = ok[0]["environment"], ok[0]["model"]
+        cfg = ok[0]["config"]
+        mem_kind = ok[0]["peak_memory"]["kind"]
+        lines += [
+            f"Device: {env['device']}, world size {env['world_size']} ({env['backend']}), "
+            f"torch {env['torch']}, opacus {env['opacus']}, {env['mixed_precision']}.",
+            f"Model: {cfg['model']} ({cfg['task']}), {model['parameters']:,} parameters, "
+            f"tied embeddings: {model['tied_embeddings']}; batch {cfg['batch_size']} per rank.",
+            f"Clock: {env['clock']}; {env['warmup_steps_dropped']} warm-up steps dropped, "
+            f"median/min/max over {env['measured_steps']} steps; memory: {mem_kind}.",
+            "",
+        ]
+    lines.append("| " + " | ".join(COLUMNS) + " |")
+    lines.append("| " + " | ".join("---" for _ in COLUMNS) + " |")
+    for row in table:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Writes ``summary.md`` and ``summary.csv`` into the run directory and prints the table."""
+    run_dir = Path((argv or sys.argv[1:])[0])
+    results = load(run_dir)
+    if not results:
+        print(f"no results in {run_dir}", file=sys.stderr)
+        return 1
+    table = rows(results)
+    md = markdown(table, results)
+    (run_dir / "summary.md").write_text(md)
+    with open(run_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

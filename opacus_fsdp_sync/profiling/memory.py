@@ -1,0 +1,31 @@
+"""Peak memory: CUDA max allocated on GPU, peak resident set size (RSS) on CPU."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def reset_peak(device: torch.device) -> None:
+    """Starts a new peak window on CUDA (RSS peaks cannot be reset; they cover the process)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float | str]:
+    """Returns ``{"kind": ..., "bytes": ...}`` for the device.
+
+    On CUDA: ``max_memory_allocated`` since the last :func:`reset_peak`, plus reserved bytes.
+    On CPU: the process's peak RSS (``ru_maxrss``), which includes everything since start.
+    """
+    if device.type == "cuda":
+        return {
+            "kind": "cuda_max_allocated",
+            "bytes": float(torch.cuda.max_memory_allocated(device)),
+            "reserved_bytes": float(torch.cuda.max_memory_reserved(device)),
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
+    return {"kind": "cpu_peak_rss", "bytes": float(rss * scale)}

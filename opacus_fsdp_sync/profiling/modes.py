@@ -1,0 +1,48 @@
+"""The profiling suite's modes: one row each, dispatched through one table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeSpec:
+    """How one mode trains.
+
+    Attributes:
+        private: False trains without Opacus (the non-private floor).
+        engine_kwargs: Keyword arguments of :class:`opacus_fsdp_sync.PrivacyEngine`.
+        grad_sample_mode: Opacus mode for private training under FSDP2.
+        description: One line for tables and logs.
+    """
+
+    private: bool
+    engine_kwargs: dict = field(default_factory=dict)
+    grad_sample_mode: str = "ghost_fsdp"
+    description: str = ""
+
+
+MODES: dict[str, ModeSpec] = {
+    "no_dp": ModeSpec(private=False, description="non-private FSDP (the floor)"),
+    "ghost_fsdp": ModeSpec(
+        private=True,
+        engine_kwargs={"sync_optimization": False},
+        description="upstream Opacus ghost clipping (both passes synced)",
+    ),
+    "ghost_fsdp_sync": ModeSpec(
+        private=True,
+        engine_kwargs={"sync_optimization": True},
+        description="ours: first backward without gradient sync",
+    ),
+}
+
+
+def get_mode(name: str) -> ModeSpec:
+    """Returns the spec of mode ``name``.
+
+    Raises:
+        ValueError: naming the allowed modes.
+    """
+    if name not in MODES:
+        raise ValueError(f"mode={name!r}: choose one of {', '.join(MODES)}")
+    return MODES[name]

@@ -1,0 +1,86 @@
+"""The profiling suite end to end on the tiny preset, 2 CPU ranks; and the 1B preset's size."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
+
+SUITE = Path(__file__).resolve().parents[1] / "memory_test/fsdp_llama3_profiling"
+
+
+def test_llama32_1b_preset_has_released_parameter_count():
+    with torch.device("meta"):
+        model = build_llama(LlamaSpec(preset="llama3.2-1b"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert count_parameters(model) == 1_235_814_400
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (2048, 8192, 16)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (32, 8, 128256)
+    assert cfg.rope_parameters["rope_type"] == "llama3" or cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_bad_spec_is_refused():
+    with pytest.raises(ValueError, match="preset='nope'"):
+        LlamaSpec(preset="nope")
+    with pytest.raises(ValueError, match="task="):
+        LlamaSpec(task="translate")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_suite_end_to_end_on_tiny_preset(tmp_path):
+    env = dict(
+        os.environ,
+        MODEL="tiny",
+        NPROC="2",
+        SEQ_LENGTHS="32",
+        STEPS="2",
+        WARMUP="1",
+        BATCH_SIZE="2",
+        OUT=str(tmp_path),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    proc = subprocess.run(
+        ["bash", str(SUITE / "run_all_experiments.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    assert "experiment 3/3: ghost_fsdp_sync_seq32" in proc.stdout
+    results = {
+        m: json.loads((tmp_path / f"{m}_seq32.json").read_text())
+        for m in ("no_dp", "ghost_fsdp", "ghost_fsdp_sync")
+    }
+    for mode, r in results.items():
+        assert r["status"] == "ok"
+        assert r["environment"]["clock"] == "perf_counter"
+        assert r["environment"]["warmup_steps_dropped"] == 1
+        assert set(r["step_ms"]) == {"median", "min", "max"}
+        assert r["tokens_per_s"] > 0 and r["peak_memory"]["bytes"] > 0
+        assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
+    for mode in ("ghost_fsdp", "ghost_fsdp_sync"):
+        assert {
+            "forward",
+            "first_backward",
+            "re-enable_sync",
+            "second_backward",
+            "optimizer_step",
+        } <= set(results[mode]["phases_ms"])
+    first = {
+        m: results[m]["comm_per_step"]["first_backward"] for m in ("ghost_fsdp", "ghost_fsdp_sync")
+    }
+    assert first["ghost_fsdp"]["reduce_scatter"]["bytes"] > 0
+    assert first["ghost_fsdp_sync"].get("reduce_scatter", {}).get("bytes", 0) == 0
+    log = (tmp_path / "logs" / "ghost_fsdp_sync_seq32.log").read_text()
+    assert "[Ghost] FSDP2 optimization enabled" in log and "[Ghost] first_backward:" in log
+    for f in ("summary.md", "summary.csv", "phases.png", "communication.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    assert "| ghost_fsdp_sync | 32 |" in (tmp_path / "summary.md").read_text()
