@@ -16,6 +16,7 @@ from .backward import GhostStepContext, SyncDPLoss
 from .distributed.controllers import make_controller
 from .distributed.detect import FSDP1, get_fsdp_root_module
 from .profiling.timers import StepTimer, timing_enabled_from_env
+from .tied import find_shared_parameters, tied_class
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
@@ -107,6 +108,45 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """
         with self._call_options(sync_optimization, timing):
             return super().make_private_with_epsilon(**kwargs)
+
+    def _prepare_model(
+        self,
+        module,
+        *,
+        batch_first=True,
+        max_grad_norm=1.0,
+        loss_reduction="mean",
+        grad_sample_mode="hooks",
+        wrap_model=True,
+    ):
+        """Opacus's model preparation; ghost modes get exact shared-weight and padding norms.
+
+        See :mod:`opacus_fsdp_sync.tied`.
+        """
+        from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
+
+        if grad_sample_mode in _GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
+            self.validate(module=module, optimizer=None, data_loader=None)
+            shared = find_shared_parameters(module)
+            if shared:
+                logger.info(
+                    "[Ghost] shared weights: %s; per-sample norms include their cross terms",
+                    "; ".join(" + ".join(o[0] for o in s.owners) for s in shared),
+                )
+            return tied_class(grad_sample_mode, wrap_model)(
+                module,
+                batch_first=batch_first,
+                loss_reduction=loss_reduction,
+                max_grad_norm=max_grad_norm,
+            )
+        return super()._prepare_model(
+            module,
+            batch_first=batch_first,
+            max_grad_norm=max_grad_norm,
+            loss_reduction=loss_reduction,
+            grad_sample_mode=grad_sample_mode,
+            wrap_model=wrap_model,
+        )
 
     def _prepare_criterion(
         self, *, module, optimizer, criterion, loss_reduction="mean", **kwargs

@@ -1,0 +1,272 @@
+"""Opacus ghost-clipping hooks whose per-sample norms are exact for shared (tied) weights.
+
+Upstream gets tied weights wrong: on one device ``ghost`` refuses them, and ``ghost_fsdp``
+computes ``sqrt(|G1|^2 + |G2|^2)``, dropping the cross term. Here, for every weight used by
+several layers, each use's own squared norm and every pair's cross term ``2 <G1, G2>``
+(:mod:`.cross_terms`) go into a per-sample accumulator that :meth:`get_norm_sample` adds to the
+norms of all other parameters. Models without shared weights never reach these classes.
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleFastGradientClippingFSDP,
+)
+from opacus.utils.module_utils import requires_grad, trainable_parameters
+from torch import nn
+
+from . import cross_terms as ct
+from .detect import SharedParameter, check_supported, find_shared_parameters
+
+
+class _Use:
+    """What one layer's use of a shared weight leaves for the pairs formed later in backward."""
+
+    def __init__(self, module: nn.Module, inputs: torch.Tensor, grads: torch.Tensor | None):
+        self.module = module
+        self.inputs = inputs  # Linear: activations a; Embedding: token ids x
+        self.grads = grads  # Linear: output gradient b (None once reduced); Embedding: e
+        self.partials: dict[nn.Module, torch.Tensor] = {}  # Embedding owner -> linear_partial
+
+
+def _pad(module: nn.Module) -> int | None:
+    return getattr(module, "padding_idx", None)
+
+
+def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) -> dict:
+    """Opacus's embedding norm sampler, without the positions holding ``padding_idx``.
+
+    Autograd gives the ``padding_idx`` row no gradient; upstream's sampler ignores that and
+    over-estimates the norm of any sample containing the padding token. Index tensors are made
+    contiguous first (upstream calls ``.view()`` on them and fails on a sliced input).
+    """
+    activations = [activations[0].contiguous(), *activations[1:]]
+    if layer.padding_idx is not None:
+        keep = (activations[0] != layer.padding_idx).unsqueeze(-1).to(backprops.dtype)
+        backprops = backprops * keep
+    return _UPSTREAM_EMBEDDING_NORM(layer, activations, backprops)
+
+
+_UPSTREAM_EMBEDDING_NORM = GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Embedding]
+
+
+class TiedNormMixin:
+    """Adds exact shared-weight norms to an Opacus ghost-clipping hooks class.
+
+    Also replaces the embedding norm sampler by :func:`padding_aware_embedding_norm` (for this
+    class only; upstream's registry is left untouched).
+    """
+
+    NORM_SAMPLERS = {
+        **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
+        nn.Embedding: padding_aware_embedding_norm,
+    }
+
+    def _init_tied(self) -> None:
+        self._tied = find_shared_parameters(self._module)
+        check_supported(self._tied, self.NORM_SAMPLERS, self._get_type)
+        # module -> [(shared weight, its attribute name on that module)]
+        self._tied_by_module: dict[nn.Module, list[tuple[SharedParameter, str]]] = {}
+        for s in self._tied:
+            for _, m, local in s.owners:
+                self._tied_by_module.setdefault(m, []).append((s, local))
+        self._tied_param_ids = {id(s.param) for s in self._tied}
+        self._tied_is_fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+        self._tied_sq: torch.Tensor | None = None
+        self._tied_fired: dict[int, list[_Use]] = {}
+
+    def _get_type(self, module: nn.Module) -> type:
+        getter = getattr(self, "_get_module_type", None)
+        return getter(module) if getter is not None else type(module)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def capture_activations_hook(self, module, forward_input, _forward_output):
+        """Upstream's capture, counting a shared weight once per owning layer (one device)."""
+        if module not in self._tied_by_module or self._tied_is_fsdp:  # FSDP counts per module
+            return super().capture_activations_hook(module, forward_input, _forward_output)
+        # One device: upstream counts forwards per parameter and refuses any count above 1;
+        # a shared weight is legitimately counted once per owner.
+        if (
+            not requires_grad(module)
+            or not module.training
+            or not torch.is_grad_enabled()
+            or not self.hooks_enabled
+        ):
+            return
+        if not hasattr(module, "activations"):
+            module.activations = []
+        module.activations.append([t.detach() for t in forward_input])
+        for _, p in trainable_parameters(module):
+            p._forward_counter += 1
+            limit = len(self._owners_of(p)) if id(p) in self._tied_param_ids else 1
+            if p._forward_counter > limit:
+                raise NotImplementedError(
+                    f"A {type(module).__name__} layer owning a weight was called more than once in "
+                    "one forward; ghost clipping needs one call per layer per forward."
+                )
+
+    def capture_backprops_hook(
+        self, module, _forward_input, forward_output, loss_reduction, batch_first
+    ):
+        """Own norms of a shared-weight owner, plus the weight's squared norm and cross terms."""
+        if not self.hooks_enabled or module not in self._tied_by_module:
+            return super().capture_backprops_hook(
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        activations = [
+            t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+            for t in activations
+        ]
+        norms = self.NORM_SAMPLERS[self._get_type(module)](module, activations, backprops)
+        norms = {p: ns for p, ns in norms.items() if p.requires_grad}
+        shared_now = set()
+        for s, local in self._tied_by_module[module]:
+            current = getattr(module, local)  # under FSDP2: the unsharded parameter
+            shared_now.add(id(current))
+            self._add_use(s, module, activations[0], backprops, norms[current])
+        own = {p: (torch.zeros_like(ns) if id(p) in shared_now else ns) for p, ns in norms.items()}
+        self._store_own_norms(module, own)
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    def _store_own_norms(self, module: nn.Module, norms: dict) -> None:
+        if self._tied_is_fsdp:
+            if not hasattr(module, "norm_sample"):
+                module.norm_sample = [None for _ in trainable_parameters(module)]
+            for idx, ns in enumerate(norms.values()):
+                module.norm_sample[idx] = ns
+            module._forward_counter -= 1
+        else:
+            for p, ns in norms.items():
+                p._norm_sample = ns
+                p._forward_counter -= 1
+
+    # -- shared-weight bookkeeping ----------------------------------------------------------------
+    def _owners_of(self, p: nn.Parameter) -> list:
+        return next(s.owners for s in self._tied if s.param is p)
+
+    def _add_use(self, s: SharedParameter, module, inputs, grads, own_norm) -> None:
+        if self._tied_sq is None:
+            self._tied_sq = torch.zeros(own_norm.shape[0], device=own_norm.device)
+        self._tied_sq += own_norm.float() ** 2
+        fired = self._tied_fired.setdefault(id(s.param), [])
+        use = _Use(module, inputs.detach(), grads.detach())
+        for earlier in fired:
+            self._tied_sq += 2.0 * self._cross(earlier, use)
+        fired.append(use)
+        if len(fired) == len(s.owners):
+            del self._tied_fired[id(s.param)]
+            return
+        if isinstance(module, nn.Linear):
+            # Reduce b (N, T, V) against every Embedding still to fire: keep (N, S, D) only.
+            waiting = [
+                m
+                for _, m, _ in s.owners
+                if m is not module
+                and isinstance(m, nn.Embedding)
+                and all(u.module is not m for u in fired)
+            ]
+            for emb in waiting:
+                ids = emb.activations[-1][0]
+                use.partials[emb] = ct.linear_partial(inputs, grads, ids, _pad(emb))
+            if len(waiting) == len(s.owners) - len(fired):
+                use.grads = None
+
+    def _cross(self, first: _Use, second: _Use) -> torch.Tensor:
+        m1, m2 = first.module, second.module
+        lin1, lin2 = isinstance(m1, nn.Linear), isinstance(m2, nn.Linear)
+        if lin1 and lin2:
+            return ct.linear_linear(first.inputs, first.grads, second.inputs, second.grads)
+        if lin1:
+            if m2 in first.partials:
+                return ct.partial_embedding(first.partials[m2], second.grads)
+            return ct.linear_embedding(
+                first.inputs, first.grads, second.inputs, second.grads, _pad(m2)
+            )
+        if lin2:
+            return ct.linear_embedding(
+                second.inputs, second.grads, first.inputs, first.grads, _pad(m1)
+            )
+        return ct.embedding_embedding(
+            first.inputs, first.grads, _pad(m1), second.inputs, second.grads, _pad(m2)
+        )
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-sample norms of the whole gradient, shared weights' cross terms included.
+
+        Raises:
+            RuntimeError: when a shared weight's uses did not all report in this backward.
+        """
+        if self._tied_fired:
+            self._tied_fired.clear()
+            self._tied_sq = None
+            raise RuntimeError(
+                "opacus_fsdp_sync: not every use of a shared weight was seen in this backward; "
+                "the per-sample norm would be wrong. Run each layer owning it once per forward."
+            )
+        norm = super().get_norm_sample()
+        if self._tied_sq is not None:
+            total = norm.float() ** 2 + self._tied_sq.to(norm.device)
+            norm = total.clamp(min=0).sqrt().to(norm.dtype)
+            self._tied_sq = None
+            self.per_sample_gradient_norms = norm
+        return norm
+
+
+class TiedGradSampleModuleFastGradientClipping(TiedNormMixin, GradSampleModuleFastGradientClipping):
+    """``grad_sample_mode="ghost"`` (one device, DDP) with exact shared-weight norms."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self._init_tied()
+
+
+class TiedGradSampleHooksFastGradientClipping(TiedNormMixin, GradSampleHooksFastGradientClipping):
+    """``ghost`` with ``wrap_model=False`` and exact shared-weight norms."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self._init_tied()
+
+
+class TiedGradSampleModuleFastGradientClippingFSDP(
+    TiedNormMixin, GradSampleModuleFastGradientClippingFSDP
+):
+    """``grad_sample_mode="ghost_fsdp"`` (FSDP2) with exact shared-weight norms."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self._init_tied()
+
+
+class TiedGradSampleHooksFastGradientClippingFSDP(
+    TiedNormMixin, GradSampleHooksFastGradientClippingFSDP
+):
+    """``ghost_fsdp`` with ``wrap_model=False`` and exact shared-weight norms."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self._init_tied()
+
+
+def tied_class(grad_sample_mode: str, wrap_model: bool) -> type:
+    """The tied-aware Opacus class for a ghost mode."""
+    table = {
+        ("ghost", True): TiedGradSampleModuleFastGradientClipping,
+        ("ghost", False): TiedGradSampleHooksFastGradientClipping,
+        ("ghost_fsdp", True): TiedGradSampleModuleFastGradientClippingFSDP,
+        ("ghost_fsdp", False): TiedGradSampleHooksFastGradientClippingFSDP,
+    }
+    return table[(grad_sample_mode, wrap_model)]
