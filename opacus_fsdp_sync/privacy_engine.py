@@ -164,6 +164,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._context = GhostStepContext(
             controller=controller, timer=StepTimer(enabled=timing, device=device)
         )
+        if getattr(module, "_tied", None):
+            module.tied_timer = self._context.timer
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     @property

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     fig, axes = plt.subplots(1, len(seqs), figsize=(5 * len(seqs) + 2.5, 4), squeeze=False)
     for ax, seq in zip(axes[0], seqs):
         rs = [r for r in results if r["config"]["seq_length"] == seq]
-        names = [r["config"]["mode"] for r in rs]
+        names = [r["config"].get("name") or r["config"]["mode"] for r in rs]
         bottom = [0.0] * len(rs)
         for ph in PHASES:
             vals = [r["phases_ms"].get(ph, {}).get("median", 0.0) for r in rs]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     fig, axes = plt.subplots(1, len(seqs), figsize=(5 * len(seqs) + 2.5, 4), squeeze=False)
     for ax, seq in zip(axes[0], seqs):
         rs = [r for r in results if r["config"]["seq_length"] == seq]
-        names = [r["config"]["mode"] for r in rs]
+        names = [r["config"].get("name") or r["config"]["mode"] for r in rs]
         width = 0.38
         xs = range(len(rs))
         for off, kind in ((-width / 2, "all_gather"), (width / 2, "reduce_scatter")):

@@ -71,8 +71,8 @@ class ExperimentConfig:
     """Steps run first and dropped."""
     mixed_precision: str = "auto"
     """``auto`` (bf16 params/fp32 reduce on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
-    untie: bool = False
-    """Untie input embedding and output head (reports the extra parameters)."""
+    tie_word_embeddings: bool | None = None
+    """Force tied (True) or untied (False) input embedding and output head; None: the preset's."""
     max_grad_norm: float = 1.0
     """Clipping bound."""
     noise_multiplier: float = 1.0
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> ExperimentConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in dataclasses.fields(ExperimentConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if "bool" in str(f.type):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
@@ -142,11 +142,12 @@ def run(cfg: ExperimentConfig) -> dict:
         preset=cfg.model,
         task=cfg.task,
         model_path=cfg.model_path,
-        tie_word_embeddings=False if cfg.untie else None,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
     with torch.device(device):
         model = build_llama(spec)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and cfg.task == "causal_lm"
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     n_params = count_parameters(model)
     if rank == 0:
         logger.info(

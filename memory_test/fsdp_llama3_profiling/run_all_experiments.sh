@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Profiling suite: every (mode, sequence length) in a fresh torchrun process, then a summary table
 # (Markdown + CSV) and plots. Environment overrides (defaults depend on whether a GPU is present):
-#   NPROC, MODEL, TASK, MODES, SEQ_LENGTHS, BATCH_SIZE, STEPS, WARMUP, OUT, MODEL_PATH, EXTRA_ARGS
+#   NPROC, MODEL, TASK, MODES, SEQ_LENGTHS, BATCH_SIZE, STEPS, WARMUP, OUT, MODEL_PATH, EXTRA_ARGS,
+#   TIE_VARIANTS ("preset", or any of "tied untied": the same model with the embedding and head
+#   tied or untied, to report the cost of the tied weight's cross term).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python3}
@@ -17,23 +19,33 @@ else
 fi
 TASK=${TASK:-causal_lm}
 MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync"}
+TIE_VARIANTS=${TIE_VARIANTS:-preset}
 OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
 MODEL_PATH=${MODEL_PATH:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 mkdir -p "$OUT/logs"
 
 total=0
-for seq in $SEQ_LENGTHS; do for mode in $MODES; do total=$((total + 1)); done; done
+for seq in $SEQ_LENGTHS; do for tie in $TIE_VARIANTS; do for mode in $MODES; do
+  total=$((total + 1)); done; done; done
 echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP"
 echo "Results: $OUT"
 
 i=0; failed=()
 for seq in $SEQ_LENGTHS; do
+ for tie in $TIE_VARIANTS; do
+  case "$tie" in
+    preset) suffix=""; tie_args=() ;;
+    tied) suffix="_tied"; tie_args=(--tie-word-embeddings) ;;
+    untied) suffix="_untied"; tie_args=(--no-tie-word-embeddings) ;;
+    *) echo "TIE_VARIANTS: unknown variant '$tie' (use preset, tied, untied)"; exit 2 ;;
+  esac
   for mode in $MODES; do
-    i=$((i + 1)); name="${mode}_seq${seq}"
+    i=$((i + 1)); name="${mode}_seq${seq}${suffix}"
     echo "experiment $i/$total: $name"
     args=(--model "$MODEL" --task "$TASK" --mode "$mode" --seq-length "$seq"
-          --batch-size "$BATCH_SIZE" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT" --name "$name")
+          --batch-size "$BATCH_SIZE" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT" --name "$name"
+          "${tie_args[@]}")
     [ -n "$MODEL_PATH" ] && args+=(--model-path "$MODEL_PATH")
     # shellcheck disable=SC2206
     [ -n "$EXTRA_ARGS" ] && args+=($EXTRA_ARGS)
@@ -41,12 +53,14 @@ for seq in $SEQ_LENGTHS; do
         "$HERE/profile_experiment.py" "${args[@]}" >"$OUT/logs/$name.log" 2>&1 \
         || [ ! -f "$OUT/$name.json" ]; then
       echo "  FAILED: $name (log: $OUT/logs/$name.log)"; tail -n 5 "$OUT/logs/$name.log" | sed 's/^/    /'
-      printf '{"config": {"mode": "%s", "seq_length": %s}, "status": "failed"}\n' "$mode" "$seq" >"$OUT/$name.json"
+      printf '{"config": {"mode": "%s", "seq_length": %s, "name": "%s"}, "status": "failed"}\n' \
+        "$mode" "$seq" "$name" >"$OUT/$name.json"
       failed+=("$name")
     else
       grep -E "^\[Ghost\] $name:" "$OUT/logs/$name.log" | sed 's/^/  /' || true
     fi
   done
+ done
 done
 
 "$PYTHON" "$HERE/summarize.py" "$OUT"

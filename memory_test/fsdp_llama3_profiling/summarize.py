@@ -18,6 +18,7 @@ from opacus_fsdp_sync.profiling import MODES
 
 COLUMNS = [
     "mode",
+    "tied",
     "seq",
     "step_ms_median",
     "step_ms_min",
@@ -27,6 +28,7 @@ COLUMNS = [
     "tokens_per_s",
     "first_backward_ms",
     "second_backward_ms",
+    "tied_norm_ms",
     "rs_MiB_first_backward",
     "rs_MiB_per_step",
     "ag_MiB_per_step",
@@ -43,6 +45,10 @@ def _comm(result: dict, kind: str, phase: str | None = None, field: str = "bytes
     return sum(phases.get(p, {}).get(kind, {}).get(field, 0.0) for p in keys)
 
 
+def _variant(r: dict):
+    return r["config"].get("tie_word_embeddings")
+
+
 def load(run_dir: Path) -> list[dict]:
     """Loads every experiment JSON of a run (failed experiments included)."""
     return [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
@@ -53,21 +59,29 @@ def rows(results: list[dict]) -> list[dict]:
     base = {}
     for r in results:
         if r.get("status") == "ok":
-            base[(r["config"]["mode"], r["config"]["seq_length"])] = r["step_ms"]["median"]
+            base[(r["config"]["mode"], r["config"]["seq_length"], _variant(r))] = r["step_ms"][
+                "median"
+            ]
     out = []
     order = {m: i for i, m in enumerate(MODES)}
 
     def key(r: dict) -> tuple:
-        return r["config"]["seq_length"], order.get(r["config"]["mode"], len(order))
+        return (
+            r["config"]["seq_length"],
+            str(_variant(r)),
+            order.get(r["config"]["mode"], len(order)),
+        )
 
     for r in sorted(results, key=key):
         cfg = r["config"]
         row = {"mode": cfg["mode"], "seq": cfg["seq_length"], "status": r.get("status", "?")}
+        if "model" in r:
+            row["tied"] = "yes" if r["model"]["tied_embeddings"] else "no"
         if r.get("status") == "ok":
             med = r["step_ms"]["median"]
             ph = r["phases_ms"]
-            up = base.get(("ghost_fsdp", cfg["seq_length"]))
-            floor = base.get(("no_dp", cfg["seq_length"]))
+            up = base.get(("ghost_fsdp", cfg["seq_length"], _variant(r)))
+            floor = base.get(("no_dp", cfg["seq_length"], _variant(r)))
             row.update(
                 step_ms_median=f"{med:.1f}",
                 step_ms_min=f"{r['step_ms']['min']:.1f}",
@@ -81,6 +95,7 @@ def rows(results: list[dict]) -> list[dict]:
                 second_backward_ms=f"{ph['second_backward']['median']:.1f}"
                 if "second_backward" in ph
                 else "",
+                tied_norm_ms=f"{ph['tied_norm']['median']:.1f}" if "tied_norm" in ph else "",
                 rs_MiB_first_backward=f"{_comm(r, 'reduce_scatter', 'first_backward') / 2**20:.2f}",
                 rs_MiB_per_step=f"{_comm(r, 'reduce_scatter') / 2**20:.2f}",
                 ag_MiB_per_step=f"{_comm(r, 'all_gather') / 2**20:.2f}",

@@ -9,6 +9,8 @@ norms of all other parameters. Models without shared weights never reach these c
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
@@ -79,6 +81,8 @@ class TiedNormMixin:
         self._tied_param_ids = {id(s.param) for s in self._tied}
         self._tied_is_fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
         self._tied_sq: torch.Tensor | None = None
+        #: A StepTimer (set by the engine) that times the shared-weight work as ``tied_norm``.
+        self.tied_timer = None
         self._tied_fired: dict[int, list[_Use]] = {}
 
     def _get_type(self, module: nn.Module) -> type:
@@ -132,10 +136,12 @@ class TiedNormMixin:
         norms = self.NORM_SAMPLERS[self._get_type(module)](module, activations, backprops)
         norms = {p: ns for p, ns in norms.items() if p.requires_grad}
         shared_now = set()
-        for s, local in self._tied_by_module[module]:
-            current = getattr(module, local)  # under FSDP2: the unsharded parameter
-            shared_now.add(id(current))
-            self._add_use(s, module, activations[0], backprops, norms[current])
+        timed = self.tied_timer.phase("tied_norm") if self.tied_timer else contextlib.nullcontext()
+        with timed:
+            for s, local in self._tied_by_module[module]:
+                current = getattr(module, local)  # under FSDP2: the unsharded parameter
+                shared_now.add(id(current))
+                self._add_use(s, module, activations[0], backprops, norms[current])
         own = {p: (torch.zeros_like(ns) if id(p) in shared_now else ns) for p, ns in norms.items()}
         self._store_own_norms(module, own)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
