@@ -8,13 +8,12 @@ import warnings
 import opacus
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
-from opacus_fsdp_sync.models import LlamaSpec, build_llama, decoder_layers
-from opacus_fsdp_sync.sharding import shard_transformer
+from opacus_fsdp_sync.models import LlamaSpec, build_llama
+from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 
 warnings.filterwarnings("ignore")
@@ -30,8 +29,8 @@ def llama_sample_loss(model, x, _y):
 def _train(engine, base, ids, rank, world, C, steps, fsdp, mixed_precision="fp32"):
     model = copy.deepcopy(base)
     if fsdp:
-        mesh = init_device_mesh("cpu", (world,))
-        shard_transformer(model, decoder_layers(model), mesh, mixed_precision=mixed_precision)
+        cfg = ShardingConfig.for_precision(mixed_precision)
+        model = shard_model(model, cfg, device=torch.device("cpu"))
     b = B_LOCAL * world
     gsm, opt, crit, _ = engine.make_private(
         module=model,

@@ -28,12 +28,11 @@ import opacus
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.distributed.env import init_distributed
-from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters, decoder_layers
+from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
     StepTimer,
@@ -42,7 +41,7 @@ from opacus_fsdp_sync.profiling import (
     phase,
     reset_peak,
 )
-from opacus_fsdp_sync.sharding import shard_transformer
+from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 
 logger = logging.getLogger("opacus_fsdp_sync.profile")
 
@@ -61,6 +60,10 @@ class ExperimentConfig:
     """A row of ``opacus_fsdp_sync.profiling.MODES``."""
     fsdp_api: str = "fsdp2"
     """Only ``fsdp2`` for now."""
+    strategy: str = "full"
+    """Sharding strategy of ``opacus_fsdp_sync.sharding.ShardingConfig``."""
+    wrap_policy: str = "transformer"
+    """Wrap policy of ``ShardingConfig`` (``transformer``, ``size_based``, ``per_layer``)."""
     seq_length: int = 128
     """Tokens per sample."""
     batch_size: int = 4
@@ -86,6 +89,7 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         get_mode(self.mode)
+        ShardingConfig(strategy=self.strategy, wrap_policy=self.wrap_policy)  # validates both
         if self.fsdp_api != "fsdp2":
             raise ValueError(f"fsdp_api={self.fsdp_api!r}: only 'fsdp2' is supported so far")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
@@ -157,8 +161,8 @@ def run(cfg: ExperimentConfig) -> dict:
             f"{n_params:,}",
             tied,
         )
-    mesh = init_device_mesh(device.type, (world,))
-    shard_transformer(model, decoder_layers(model), mesh, mixed_precision=mp)
+    sharding = ShardingConfig.for_precision(mp, strategy=cfg.strategy, wrap_policy=cfg.wrap_policy)
+    model = shard_model(model, sharding, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     criterion = nn.CrossEntropyLoss()
     engine = None

@@ -1,7 +1,7 @@
 """Timers, the collective counter and phase markers shared by the engine, tests and harness."""
 
 from .comm_counter import CollectiveCounter, CollectiveStats
-from .memory import peak_memory, reset_peak
+from .memory import memory_summary, peak_memory, reset_peak
 from .modes import MODES, ModeSpec, get_mode
 from .phases import STEP_PHASES, current_phase, phase
 from .timers import TIMING_ENV, StepTimer, timing_enabled_from_env
@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveStats",
     "StepTimer",
     "current_phase",
+    "memory_summary",
     "peak_memory",
     "reset_peak",
     "phase",

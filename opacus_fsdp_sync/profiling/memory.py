@@ -29,3 +29,21 @@ def peak_memory(device: torch.device) -> dict[str, float | str]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
     return {"kind": "cpu_peak_rss", "bytes": float(rss * scale)}
+
+
+def memory_summary(device: torch.device) -> dict[str, float | str]:
+    """Allocated, peak and reserved bytes on CUDA; current and peak RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "kind": "cuda",
+            "allocated_bytes": float(torch.cuda.memory_allocated(device)),
+            "peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+            "reserved_bytes": float(torch.cuda.memory_reserved(device)),
+        }
+    current = 0.0
+    try:
+        with open("/proc/self/statm") as f:
+            current = float(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux
+        pass
+    return {"kind": "cpu", "rss_bytes": current, "peak_rss_bytes": peak_memory(device)["bytes"]}

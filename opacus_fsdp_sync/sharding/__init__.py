@@ -1,5 +1,20 @@
-"""FSDP sharding helpers that produce layouts Opacus ghost clipping accepts."""
+"""DP-aware sharding: a typed config, ``shard_model``, wrap policies and sharded checkpoints."""
 
-from .fsdp2 import mixed_precision_policy, shard_transformer
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import BACKENDS, STRATEGIES, WRAP_POLICIES, ShardingConfig
+from .fsdp2 import build_mesh
+from .shard import shard_model
+from .wrap import find_blocks, units
 
-__all__ = ["mixed_precision_policy", "shard_transformer"]
+__all__ = [
+    "BACKENDS",
+    "STRATEGIES",
+    "WRAP_POLICIES",
+    "ShardingConfig",
+    "build_mesh",
+    "find_blocks",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_model",
+    "units",
+]

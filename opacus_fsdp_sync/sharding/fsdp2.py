@@ -1,49 +1,55 @@
-"""Sharding a transformer with FSDP2 the way ghost clipping accepts and runs fast."""
+"""Sharding with FSDP2 (``fully_shard``) from a :class:`ShardingConfig`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
+import torch.distributed as dist
 from torch import nn
 
+from .config import ShardingConfig
+from .wrap import units
 
-def mixed_precision_policy(kind: str):
-    """``"bf16"``: bf16 parameters, fp32 gradient reduction; ``"fp32"``: no casting.
+
+def build_mesh(config: ShardingConfig, device_type: str):
+    """The device mesh of a strategy: 1-D for full/shard_grad_op, 2-D otherwise.
 
     Raises:
-        ValueError: for any other kind.
+        ValueError: when the world size does not fit ``replicate_degree``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.device_mesh import init_device_mesh
 
-    if kind == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if kind == "fp32":
-        return MixedPrecisionPolicy()
-    raise ValueError(f"mixed_precision={kind!r}: choose 'bf16' or 'fp32'")
+    world = dist.get_world_size()
+    if config.strategy in ("full", "shard_grad_op"):
+        return init_device_mesh(device_type, (world,))
+    if config.strategy == "no_shard":
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    replicas = config.replicate_degree or (2 if world % 2 == 0 and world > 1 else 1)
+    if world % replicas:
+        raise ValueError(
+            f"replicate_degree={replicas} does not divide the world size {world}; choose a "
+            "divisor of the number of processes."
+        )
+    return init_device_mesh(
+        device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+    )
 
 
-def shard_transformer(
-    model: nn.Module, blocks: Sequence[nn.Module], mesh, *, mixed_precision: str = "fp32"
-) -> nn.Module:
-    """One FSDP2 unit per transformer block plus the root.
+def shard_fsdp2(model: nn.Module, config: ShardingConfig, mesh) -> nn.Module:
+    """Applies ``fully_shard`` to each unit chosen by the wrap policy, then to the root."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
-    The root unit owns everything outside the blocks, so a weight tied between the input
-    embedding and the output head lives in one group (FSDP2 refuses a parameter in two groups).
-
-    Args:
-        model: The model to shard in place.
-        blocks: Its transformer blocks (e.g. ``model.model.layers``).
-        mesh: A 1-D device mesh.
-        mixed_precision: ``"fp32"`` or ``"bf16"`` (see :func:`mixed_precision_policy`).
-
-    Returns:
-        The sharded model (the same object).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    mp = mixed_precision_policy(mixed_precision)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    param, reduce, output = config.dtypes()
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=config.strategy != "shard_grad_op",
+        mp_policy=MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output),
+        offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    )
+    for unit in units(model, config):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
     return model

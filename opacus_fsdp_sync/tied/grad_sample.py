@@ -23,6 +23,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
+from .._torch_compat import in_backward
 from . import cross_terms as ct
 from .detect import SharedParameter, check_supported, find_shared_parameters
 
@@ -91,7 +92,13 @@ class TiedNormMixin:
 
     # -- hooks ---------------------------------------------------------------------------------
     def capture_activations_hook(self, module, forward_input, _forward_output):
-        """Upstream's capture, counting a shared weight once per owning layer (one device)."""
+        """Upstream's capture, counting a shared weight once per owning layer (one device).
+
+        A forward run inside backward is an activation-checkpointing recomputation: its inputs
+        were captured by the original forward, so it is skipped.
+        """
+        if in_backward():
+            return
         if module not in self._tied_by_module or self._tied_is_fsdp:  # FSDP counts per module
             return super().capture_activations_hook(module, forward_input, _forward_output)
         # One device: upstream counts forwards per parameter and refuses any count above 1;
