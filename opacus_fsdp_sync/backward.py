@@ -29,6 +29,8 @@ class GhostStepContext:
 
     controller: object = field(default_factory=NullController)
     timer: StepTimer = field(default_factory=StepTimer)
+    restricted_first_pass: bool = False
+    """Differentiate the first pass w.r.t. activations only (no weight gradients)."""
 
 
 def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
@@ -112,18 +114,28 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         controller, timer = self.context.controller, self.context.timer
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
         timer.flush()  # previous step's CUDA events, if any were left pending
+        tracking = hasattr(self.module, "take_first_pass_sources")
+        sources = self.module.take_first_pass_sources() if tracking else []
+        restricted = self.context.restricted_first_pass and bool(sources)
         ok = False
         try:
             with phase("first_backward"), timer.phase("first_backward"):
                 controller.begin_first_pass()
-                reduced_loss.backward(retain_graph=True)
+                reduced_loss.backward(inputs=sources if restricted else None, retain_graph=True)
+                if restricted:
+                    self.module.check_all_reported()
             ok = True
         finally:
+            del sources
             with phase("re-enable_sync"), timer.phase("re-enable_sync"):
                 controller.end_first_pass()
+            if tracking and not restricted:
+                self.module.forget_pass()
             if not ok:
                 controller.abort()
                 reset_opacus_step_state(self.module)
+                if tracking:
+                    self.module.forget_pass()
                 self.optimizer.original_optimizer.zero_grad(set_to_none=True)
         self.optimizer.zero_grad()
         coeff = self.module.get_clipping_coef()

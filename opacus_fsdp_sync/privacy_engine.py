@@ -6,6 +6,7 @@ Only wiring lives here: which controller (from the detected API), which timer, w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -13,10 +14,13 @@ import opacus
 import torch
 
 from .backward import GhostStepContext, SyncDPLoss
+from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import make_controller
-from .distributed.detect import FSDP1, get_fsdp_root_module
+from .distributed.detect import FSDP1, FSDP2, get_fsdp_root_module
+from .grad_sample import ghost_class
+from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
-from .tied import find_shared_parameters, tied_class
+from .tied import find_shared_parameters
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
@@ -30,58 +34,74 @@ def _first_device(module: torch.nn.Module) -> torch.device:
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
-    """``opacus.PrivacyEngine`` whose ghost clipping skips gradient sync in the first backward.
+    """``opacus.PrivacyEngine`` whose ghost clipping skips the first backward's waste.
 
     Use it exactly like Opacus's engine. With ``grad_sample_mode="ghost_fsdp"`` (FSDP2) or
     ``"ghost"`` (one device or DDP), the criterion returned by :meth:`make_private` produces
-    losses whose ``backward()`` runs the norm-only first pass without gradient synchronisation,
-    drops its gradients, and runs the clipped second pass as upstream does. The result is the
-    same as upstream Opacus bit for bit.
+    losses whose ``backward()`` runs the norm-only first pass without gradient synchronisation
+    (and, by default, without weight gradients and keeping parameters unsharded when they fit),
+    then the clipped second pass as upstream does. The result is upstream Opacus's (bit for bit
+    where upstream is right; exact where it is not: tied weights, padding tokens).
 
     Args:
         accountant: As in Opacus (``"prv"``, ``"rdp"``, ``"gdp"``).
         secure_mode: As in Opacus.
-        sync_optimization: False runs upstream's backward unchanged (for A/B comparisons).
-        timing: Log ``[Ghost]`` per-phase timings each step. None reads the environment
-            variable ``OPACUS_FSDP_SYNC_TIMING``.
+        **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
+            (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
+            ``keep_unsharded_budget_bytes``, ``timing``).
     """
 
-    def __init__(
-        self,
-        *,
-        accountant: str = "prv",
-        secure_mode: bool = False,
-        sync_optimization: bool = True,
-        timing: bool | None = None,
-    ):
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
         super().__init__(accountant=accountant, secure_mode=secure_mode)
-        self.sync_optimization = bool(sync_optimization)
-        self.timing = timing_enabled_from_env() if timing is None else bool(timing)
-        self._call_sync: bool | None = None
-        self._call_timing: bool | None = None
+        self.options = GhostOptions(**options)
+        self._call_overrides: dict = {}
         self._context: GhostStepContext | None = None
         self.sync_api: str | None = None
+        self.keep_unsharded: bool = False
+
+    @property
+    def sync_optimization(self) -> bool:
+        """Whether the optimisations are on for models made private from now on."""
+        return self.options.sync_optimization
+
+    @property
+    def timing(self) -> bool:
+        """Whether ``[Ghost]`` step timings are on (the option, or the environment)."""
+        return timing_enabled_from_env() if self.options.timing is None else self.options.timing
 
     @contextlib.contextmanager
-    def _call_options(self, sync: bool | None, timing: bool | None) -> Iterator[None]:
-        saved = (self._call_sync, self._call_timing)
-        if sync is not None:
-            self._call_sync = bool(sync)
-        if timing is not None:
-            self._call_timing = bool(timing)
+    def _call_options(self, overrides: dict) -> Iterator[None]:
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(GhostOptions)}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}")
+        saved = self._call_overrides
+        self._call_overrides = {**saved, **{k: v for k, v in overrides.items() if v is not None}}
         try:
             yield
         finally:
-            self._call_sync, self._call_timing = saved
+            self._call_overrides = saved
+
+    def _options_now(self) -> GhostOptions:
+        return dataclasses.replace(self.options, **self._call_overrides).effective
 
     def make_private(
-        self, *, sync_optimization: bool | None = None, timing: bool | None = None, **kwargs
+        self,
+        *,
+        sync_optimization: bool | None = None,
+        timing: bool | None = None,
+        restricted_first_pass: bool | None = None,
+        keep_unsharded: bool | str | None = None,
+        keep_unsharded_budget_bytes: int | None = None,
+        **kwargs,
     ):
-        """Same as :meth:`opacus.PrivacyEngine.make_private`, plus two keywords.
+        """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
 
         Args:
-            sync_optimization: Overrides the engine's setting for this model.
-            timing: Overrides the engine's timing setting for this model.
+            sync_optimization: Overrides :class:`GhostOptions` for this model (None: keep).
+            timing: Likewise.
+            restricted_first_pass: Likewise.
+            keep_unsharded: Likewise.
+            keep_unsharded_budget_bytes: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
 
         Returns:
@@ -90,23 +110,31 @@ class PrivacyEngine(opacus.PrivacyEngine):
         Raises:
             UnsupportedConfigurationError: for ghost clipping on FSDP1.
         """
-        with self._call_options(sync_optimization, timing):
+        overrides = dict(
+            sync_optimization=sync_optimization,
+            timing=timing,
+            restricted_first_pass=restricted_first_pass,
+            keep_unsharded=keep_unsharded,
+            keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
+        )
+        with self._call_options(overrides):
+            self._options_now()  # validates the overrides before anything is wrapped
             if kwargs.get("grad_sample_mode") in _GHOST_MODES and "module" in kwargs:
-                if get_fsdp_root_module(kwargs["module"]).api == FSDP1:
-                    make_controller(get_fsdp_root_module(kwargs["module"]), enabled=True)
+                root = get_fsdp_root_module(kwargs["module"])
+                if root.api == FSDP1:
+                    make_controller(root, enabled=True)
             return super().make_private(**kwargs)
 
-    def make_private_with_epsilon(
-        self, *, sync_optimization: bool | None = None, timing: bool | None = None, **kwargs
-    ):
-        """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our keywords.
+    def make_private_with_epsilon(self, **kwargs):
+        """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
 
         Args:
-            sync_optimization: See :meth:`make_private`.
-            timing: See :meth:`make_private`.
-            **kwargs: Every argument of Opacus's ``make_private_with_epsilon``.
+            **kwargs: Every argument of Opacus's ``make_private_with_epsilon``, and the
+                per-model options of :meth:`make_private`.
         """
-        with self._call_options(sync_optimization, timing):
+        names = {f.name for f in dataclasses.fields(GhostOptions)}
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        with self._call_options(overrides):
             return super().make_private_with_epsilon(**kwargs)
 
     def _prepare_model(
@@ -133,7 +161,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                     "[Ghost] shared weights: %s; per-sample norms include their cross terms",
                     "; ".join(" + ".join(o[0] for o in s.owners) for s in shared),
                 )
-            return tied_class(grad_sample_mode, wrap_model)(
+            return ghost_class(grad_sample_mode, wrap_model)(
                 module,
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
@@ -151,18 +179,25 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _prepare_criterion(
         self, *, module, optimizer, criterion, loss_reduction="mean", **kwargs
     ) -> SyncDPLoss:
-        sync = self.sync_optimization if self._call_sync is None else self._call_sync
-        timing = self.timing if self._call_timing is None else self._call_timing
+        opts = self._options_now()
+        timing = timing_enabled_from_env() if opts.timing is None else opts.timing
         root = get_fsdp_root_module(module)
-        controller = make_controller(root, enabled=sync)
-        if root.api is not None and not sync:
+        device = _first_device(getattr(module, "_module", module))
+        keep = False
+        if root.api == FSDP2 and opts.sync_optimization:
+            keep = decide_keep_unsharded(opts, internals.unsharded_bytes(root.modules), device)
+        controller = make_controller(root, enabled=opts.sync_optimization, keep_unsharded=keep)
+        if root.api is not None and not opts.sync_optimization:
             logger.info("[Ghost] sync optimization off (sync_optimization=False): upstream passes")
         elif controller.enabled_message:
             logger.info(controller.enabled_message)
-        self.sync_api = controller.api
-        device = _first_device(getattr(module, "_module", module))
+        if opts.restricted_first_pass:
+            logger.info("[Ghost] first backward w.r.t. activations only (no weight gradients)")
+        self.sync_api, self.keep_unsharded = controller.api, keep
         self._context = GhostStepContext(
-            controller=controller, timer=StepTimer(enabled=timing, device=device)
+            controller=controller,
+            timer=StepTimer(enabled=timing, device=device),
+            restricted_first_pass=opts.restricted_first_pass,
         )
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer

@@ -27,47 +27,82 @@ def _local(norms, rank, b):
     return norms[rank * b : (rank + 1) * b]
 
 
+def _total(counts: dict, kind: str, field: str = "count") -> int:
+    return sum(p.get(kind, {}).get(field, 0) for p in counts.values())
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_fp32_equals_upstream_single_process_and_loop(world):
-    results = run_ranks(workers_core.core_exactness, world, "fp32", timeout=300)
+def test_every_option_set_equals_upstream_single_process_and_loop(world):
+    """Sync skip alone, + keep unsharded, + activations-only first pass, and both."""
+    results = run_ranks(workers_core.core_exactness, world, "fp32", timeout=400)
     for rank, res in enumerate(results):
         _assert_clipping_active(res)
-        assert res["ours_vs_upstream"] == [0.0, 0.0], "must equal upstream ghost_fsdp bit for bit"
-        assert max(res["ours_vs_single"]) <= FP32_TOL
-        assert max(res["ours_vs_loop"]) <= FP32_TOL
         assert min(res["update_size"]) > 100 * FP32_TOL  # the steps really moved the parameters
-        for step in range(2):
-            ref = _local(res["ref_norms"][step], rank, workers_core.B_LOCAL)
-            assert res["ours_norms"][step] == pytest.approx(ref, rel=1e-5)
-        # Between the passes: no FSDPParam holds an unsharded gradient, user's sync flags back.
-        for holds, flags in res["between"]:
-            assert holds == 0
-            assert all(tuple(f) == (True, True) for f in flags)
+        assert set(res["sets"]) == set(workers_core.OPTION_SETS)
+        for name, r in res["sets"].items():
+            assert r["vs_upstream"] == [0.0, 0.0], f"{name}: must equal upstream bit for bit"
+            assert max(r["vs_single"]) <= FP32_TOL, name
+            assert max(r["vs_loop"]) <= FP32_TOL, name
+            for step in range(2):
+                ref = _local(res["ref_norms"][step], rank, workers_core.B_LOCAL)
+                assert r["norms"][step] == pytest.approx(ref, rel=1e-5), name
+            # Between the passes: no FSDPParam holds an unsharded gradient, user's flags back.
+            for holds, flags in r["between"]:
+                assert holds == 0, name
+                assert all(tuple(f) == (True, True) for f in flags), name
+            assert r["keep_unsharded"] is workers_core.OPTION_SETS[name]["keep_unsharded"]
         if world > 1:
             _assert_communication(res, world)
+        _assert_first_pass_flops(res)
 
 
 def _assert_communication(res, world):
-    """Zero reduce-scatters in the first backward; the second issues upstream's per-pass count."""
-    for ours, up in zip(res["ours_counts"], res["upstream_counts"]):
-        print(f"world {world} ours per phase: {ours}\nupstream per step: {up}")
-        rs_up = sum(p.get("reduce_scatter", {}).get("count", 0) for p in up.values())
-        ag_up = sum(p.get("all_gather", {}).get("count", 0) for p in up.values())
-        ag_ours = sum(p.get("all_gather", {}).get("count", 0) for p in ours.values())
-        rs_ours = sum(p.get("reduce_scatter", {}).get("count", 0) for p in ours.values())
-        assert "reduce_scatter" not in ours["first_backward"]
-        assert ours["second_backward"]["reduce_scatter"]["count"] * 2 == rs_up > 0
-        assert rs_ours * 2 == rs_up
-        assert ag_ours == ag_up
+    """Counted per step: what each option removes."""
+    nodp_ag, nodp_rs = (
+        _total(res["nodp_counts"], "all_gather"),
+        _total(res["nodp_counts"], "reduce_scatter"),
+    )
+    for step, up in enumerate(res["upstream_counts"]):
+        rs_up, ag_up = _total(up, "reduce_scatter"), _total(up, "all_gather")
+        assert rs_up == 2 * nodp_rs > 0
+        for name, r in res["sets"].items():
+            ours = r["counts"][step]
+            print(
+                f"world {world} step {step} {name}: {ours} | upstream {up} | no_dp AG "
+                f"{nodp_ag} RS {nodp_rs}"
+            )
+            assert "reduce_scatter" not in ours["first_backward"], name
+            assert ours["second_backward"]["reduce_scatter"]["count"] == nodp_rs, name
+            assert _total(ours, "reduce_scatter") == nodp_rs, name  # 1 per unit
+            if r["keep_unsharded"]:
+                assert "all_gather" not in ours["second_backward"], name
+                assert _total(ours, "all_gather") == nodp_ag, name  # the non-private count
+            else:
+                assert _total(ours, "all_gather") == ag_up, name
+
+
+def _assert_first_pass_flops(res):
+    """Activations-only first pass: no weight-gradient matmul, about half the FLOPs."""
+    weights = {tuple(s) for s in res["weight_shapes"]} | {
+        tuple(reversed(s)) for s in res["weight_shapes"]
+    }
+    full, restricted = res["sets"]["sync"], res["sets"]["restricted"]
+    assert weights & {tuple(s) for s in full["matmuls"]["first_backward"]}  # the probe bites
+    assert not weights & {tuple(s) for s in restricted["matmuls"]["first_backward"]}
+    ratio = restricted["flops"]["first_backward"] / full["flops"]["first_backward"]
+    print(f"first-backward FLOPs restricted/full: {ratio:.3f}")
+    assert ratio < 0.6
+    assert restricted["flops"]["second_backward"] == full["flops"]["second_backward"]
 
 
 def test_bf16_mixed_precision_equals_upstream():
-    for res in run_ranks(workers_core.core_exactness, 2, "bf16", timeout=300):
+    for res in run_ranks(workers_core.core_exactness, 2, "bf16", timeout=400):
         _assert_clipping_active(res)
-        assert res["ours_vs_upstream"] == [0.0, 0.0]
-        assert max(res["ours_vs_loop"]) <= BF16_TOL
-        for holds, _ in res["between"]:
-            assert holds == 0
+        for name, r in res["sets"].items():
+            assert r["vs_upstream"] == [0.0, 0.0], name
+            assert max(r["vs_loop"]) <= BF16_TOL, name
+            for holds, _ in r["between"]:
+                assert holds == 0
 
 
 def test_gradient_accumulation_equals_one_batch():

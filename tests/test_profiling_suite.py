@@ -43,6 +43,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         WARMUP="1",
         BATCH_SIZE="2",
         OUT=str(tmp_path),
+        MODES="no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_parity",
         CUDA_VISIBLE_DEVICES="",
     )
     proc = subprocess.run(
@@ -54,10 +55,10 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
-    assert "experiment 3/3: ghost_fsdp_sync_seq32" in proc.stdout
+    assert "experiment 4/4: ghost_fsdp_parity_seq32" in proc.stdout
     results = {
         m: json.loads((tmp_path / f"{m}_seq32.json").read_text())
-        for m in ("no_dp", "ghost_fsdp", "ghost_fsdp_sync")
+        for m in ("no_dp", "ghost_fsdp", "ghost_fsdp_sync", "ghost_fsdp_parity")
     }
     for mode, r in results.items():
         assert r["status"] == "ok"
@@ -66,7 +67,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         assert set(r["step_ms"]) == {"median", "min", "max"}
         assert r["tokens_per_s"] > 0 and r["peak_memory"]["bytes"] > 0
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
-    for mode in ("ghost_fsdp", "ghost_fsdp_sync"):
+    for mode in ("ghost_fsdp", "ghost_fsdp_sync", "ghost_fsdp_parity"):
         assert {
             "forward",
             "first_backward",
@@ -84,3 +85,10 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     for f in ("summary.md", "summary.csv", "phases.png", "communication.png"):
         assert (tmp_path / f).stat().st_size > 0
     assert "| ghost_fsdp_sync | no | 32 |" in (tmp_path / "summary.md").read_text()
+    # parity: the non-private step's all-gathers and reduce-scatters
+    for kind in ("all_gather", "reduce_scatter"):
+        counts = [
+            sum(p.get(kind, {}).get("count", 0) for p in results[m]["comm_per_step"].values())
+            for m in ("no_dp", "ghost_fsdp_parity")
+        ]
+        assert counts[0] == counts[1] > 0, (kind, counts)

@@ -145,7 +145,7 @@ def test_tied_norm_allocates_nothing_vocab_by_hidden_per_sample():
     N, T = 6, 12
     ids = torch.randint(1, V, (N, T))
     gsm, opt, crit, _ = _private(model, ids, ids, 1.0, N)
-    assert type(gsm).__name__ == "TiedGradSampleModuleFastGradientClipping"
+    assert type(gsm).__name__ == "GhostGradSampleModule"
     logits = gsm(input_ids=ids).logits[:, :-1]
     loss = crit(logits.reshape(-1, V), ids[:, 1:].reshape(-1), shape=logits.shape[:2])
     probe = _LargestTensor()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -16,12 +17,20 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.distributed import _fsdp2_internals as internals
+from opacus_fsdp_sync.profiling import PhaseFlopCounter
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, Tripwire, toy_sample_loss
 
 warnings.filterwarnings("ignore")
 LR = 0.5
 B_LOCAL = 4
+#: Our option sets: sync skip only, + keep unsharded, + activations-only first pass, both.
+OPTION_SETS = {
+    "sync": dict(restricted_first_pass=False, keep_unsharded=False),
+    "keep": dict(restricted_first_pass=False, keep_unsharded=True),
+    "restricted": dict(restricted_first_pass=True, keep_unsharded=False),
+    "parity": dict(restricted_first_pass=True, keep_unsharded=True),
+}
 
 
 def _data(world: int, steps: int, seed: int = 1):
@@ -95,12 +104,13 @@ def _run_fsdp(engine, base, x, y, rank, world, C, dtype, steps, microbatches=1, 
 
         gsm.get_clipping_coef = probed
     params, counts, norms = [], [], []
+    flops = PhaseFlopCounter()
     b = B_LOCAL * world
     for s in range(steps):
         xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
         lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
         xl, yl = xs[lo:hi], ys[lo:hi]
-        with CollectiveCounter() as counter:
+        with CollectiveCounter() as counter, flops if s == 0 else contextlib.nullcontext():
             mb = B_LOCAL // microbatches
             step_norms = []
             for m in range(microbatches):
@@ -117,10 +127,30 @@ def _run_fsdp(engine, base, x, y, rank, world, C, dtype, steps, microbatches=1, 
         norms.append(torch.cat(step_norms))
         counts.append(counter.as_dict())
         params.append(_full_params(model))
-    return dict(params=params, counts=counts, norms=norms, between=between)
+    return dict(
+        params=params,
+        counts=counts,
+        norms=norms,
+        between=between,
+        flops=dict(flops.flops),
+        matmuls={k: list(v) for k, v in flops.matmul_shapes.items()},
+    )
 
 
-def core_exactness(rank: int, world: int, dtype: str = "fp32", steps: int = 2) -> dict:
+def _nodp_counts(base, x, y, rank, world):
+    """Collectives of one non-private step of the same sharded model (the floor)."""
+    model = _shard(copy.deepcopy(base), world, "fp32")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    with CollectiveCounter() as counter:
+        nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+    return counter.as_dict()
+
+
+def core_exactness(
+    rank: int, world: int, dtype: str = "fp32", steps: int = 2, sets=tuple(OPTION_SETS)
+) -> dict:
     """Ours vs upstream ghost_fsdp vs single-process ghost vs the clip-each-sample loop."""
     torch.manual_seed(0)
     base = ToyNet()
@@ -150,23 +180,33 @@ def core_exactness(rank: int, world: int, dtype: str = "fp32", steps: int = 2) -
         opt1.zero_grad()
         single_params.append({n: p.detach().clone() for n, p in single.named_parameters()})
 
-    ours = _run_fsdp(PrivacyEngine(), base, x, y, rank, world, C, dtype, steps, probe=True)
     upstream = _run_fsdp(opacus.PrivacyEngine(), base, x, y, rank, world, C, dtype, steps)
     result = dict(
         C=C,
         ref_norms=[n.tolist() for n in ref_norms],
-        ours_norms=[n.tolist() for n in ours["norms"]],
-        ours_counts=ours["counts"],
         upstream_counts=upstream["counts"],
-        between=ours["between"],
-        ours_vs_upstream=[_max_diff(a, b_) for a, b_ in zip(ours["params"], upstream["params"])],
-        ours_vs_single=[_max_diff(a, b_) for a, b_ in zip(ours["params"], single_params)],
-        ours_vs_loop=[_max_diff(a, b_) for a, b_ in zip(ours["params"], ref_params)],
+        nodp_counts=_nodp_counts(base, x, y, rank, world),
         upstream_vs_loop=[_max_diff(a, b_) for a, b_ in zip(upstream["params"], ref_params)],
         update_size=[
             _max_diff(p, {n: t.float() for n, t in _full_params(base).items()}) for p in ref_params
         ],
+        weight_shapes=[tuple(p.shape) for n, p in base.named_parameters() if p.dim() == 2],
+        sets={},
     )
+    for name in sets:
+        engine = PrivacyEngine(**OPTION_SETS[name])
+        ours = _run_fsdp(engine, base, x, y, rank, world, C, dtype, steps, probe=True)
+        result["sets"][name] = dict(
+            keep_unsharded=engine.keep_unsharded,
+            norms=[n.tolist() for n in ours["norms"]],
+            counts=ours["counts"],
+            between=ours["between"],
+            flops=ours["flops"],
+            matmuls=ours["matmuls"],
+            vs_upstream=[_max_diff(a, b_) for a, b_ in zip(ours["params"], upstream["params"])],
+            vs_single=[_max_diff(a, b_) for a, b_ in zip(ours["params"], single_params)],
+            vs_loop=[_max_diff(a, b_) for a, b_ in zip(ours["params"], ref_params)],
+        )
     return result
 
 

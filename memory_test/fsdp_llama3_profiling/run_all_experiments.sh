@@ -18,7 +18,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 fi
 TASK=${TASK:-causal_lm}
-MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync"}
+MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_keep ghost_fsdp_restricted ghost_fsdp_parity"}
 TIE_VARIANTS=${TIE_VARIANTS:-preset}
 OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
 MODEL_PATH=${MODEL_PATH:-}

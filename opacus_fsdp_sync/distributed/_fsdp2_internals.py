@@ -143,3 +143,32 @@ def holds_unsharded_grad(fsdp_param) -> bool:
     return (param is not None and param.grad is not None) or getattr(
         fsdp_param, "unsharded_accumulated_grad", None
     ) is not None
+
+
+def get_reshard_after_backward(group) -> bool:
+    """The group's ``reshard_after_backward`` flag (public setter, private getter)."""
+    try:
+        return bool(group.reshard_after_backward)
+    except AttributeError as err:
+        raise _fail("FSDPParamGroup.reshard_after_backward") from err
+
+
+def set_reshard_after_backward(group, flag: bool) -> None:
+    """Restores a flag saved by :func:`get_reshard_after_backward`."""
+    group.reshard_after_backward = flag
+
+
+def unsharded_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of all unsharded parameters (in their compute dtype) under ``modules``.
+
+    That is what keeping every unit unsharded between the two backward passes holds per rank.
+    """
+    total = 0
+    for group in iter_param_groups(modules):
+        for fp in fsdp_params(group):
+            size = getattr(fp, "_orig_size", None)
+            if size is None:
+                raise _fail("FSDPParam._orig_size")
+            dtype = getattr(fp, "param_dtype", None) or fp.sharded_param.dtype
+            total += size.numel() * torch.empty((), dtype=dtype).element_size()
+    return total

@@ -42,7 +42,9 @@ class NullController:
 class FSDP2Controller:
     """FSDP2 (``fully_shard``): no reduce-scatter in the first pass, nothing of it kept.
 
-    ``begin_first_pass`` saves each parameter group's sync flags and sets them off, moves any
+    ``begin_first_pass`` saves each parameter group's sync flags and sets them off (and, with
+    ``keep_unsharded``, its reshard-after-backward flag, so that the second backward finds every
+    unit unsharded and issues no all-gather), moves any
     unsharded gradient the user accumulated aside, and hooks every unsharded parameter so that
     each first-pass gradient is dropped as soon as autograd accumulates it (so the pass never
     holds a full unsharded gradient copy). ``end_first_pass`` removes the hooks, clears anything
@@ -54,8 +56,10 @@ class FSDP2Controller:
         "[Ghost] FSDP2 optimization enabled: disabling gradient sync for first backward"
     )
 
-    def __init__(self, modules: list[nn.Module]):
+    def __init__(self, modules: list[nn.Module], *, keep_unsharded: bool = False):
         self.modules = modules
+        self.keep_unsharded = keep_unsharded
+        self._saved_reshard: list[tuple[object, bool]] = []
         self._saved_flags: list[tuple[object, tuple[bool, bool]]] = []
         self._stash: list[tuple[object, tuple]] = []
         self._hooks: list = []
@@ -66,6 +70,10 @@ class FSDP2Controller:
         self._saved_flags = [(g, internals.get_sync_flags(g)) for g in groups]
         for g in groups:
             internals.set_sync_flags(g, (False, False))
+        if self.keep_unsharded:  # the second backward then needs no all-gather
+            self._saved_reshard = [(g, internals.get_reshard_after_backward(g)) for g in groups]
+            for g in groups:
+                internals.set_reshard_after_backward(g, False)
         for g in groups:
             for fp in internals.fsdp_params(g):
                 taken = internals.take_unsharded_grads(fp)
@@ -88,7 +96,9 @@ class FSDP2Controller:
         finally:
             for g, flags in self._saved_flags:
                 internals.set_sync_flags(g, flags)
-            self._hooks, self._stash, self._saved_flags = [], [], []
+            for g, flag in self._saved_reshard:
+                internals.set_reshard_after_backward(g, flag)
+            self._hooks, self._stash, self._saved_flags, self._saved_reshard = [], [], [], []
 
     def abort(self) -> None:
         """Resets FSDP2's per-iteration state after a backward raised midway.
@@ -143,12 +153,13 @@ class DDPController:
         """Nothing to reset for DDP: its reducer re-arms at the next forward."""
 
 
-def make_controller(root: DistributedRoot, *, enabled: bool):
+def make_controller(root: DistributedRoot, *, enabled: bool, keep_unsharded: bool = False):
     """Builds the controller for a detected API.
 
     Args:
         root: the result of :func:`~opacus_fsdp_sync.distributed.detect.get_fsdp_root_module`.
         enabled: False returns a :class:`NullController` (upstream behaviour).
+        keep_unsharded: FSDP2 only: keep parameters unsharded between the two passes.
 
     Raises:
         UnsupportedConfigurationError: for FSDP1 (its retained-graph double backward fails in
@@ -168,7 +179,7 @@ def make_controller(root: DistributedRoot, *, enabled: bool):
         if missing:
             logger.warning("Warning: FSDP detected but sync control not available")
             return NullController()
-        return FSDP2Controller(root.modules)
+        return FSDP2Controller(root.modules, keep_unsharded=keep_unsharded)
     if root.api == DDP:
         if not hasattr(root.modules[0], "no_sync"):
             logger.warning("Warning: FSDP detected but sync control not available")

@@ -1,6 +1,7 @@
 """Timers, the collective counter and phase markers shared by the engine, tests and harness."""
 
 from .comm_counter import CollectiveCounter, CollectiveStats
+from .flops import PhaseFlopCounter
 from .memory import memory_summary, peak_memory, reset_peak
 from .modes import MODES, ModeSpec, get_mode
 from .phases import STEP_PHASES, current_phase, phase
@@ -14,6 +15,7 @@ __all__ = [
     "TIMING_ENV",
     "CollectiveCounter",
     "CollectiveStats",
+    "PhaseFlopCounter",
     "StepTimer",
     "current_phase",
     "memory_summary",

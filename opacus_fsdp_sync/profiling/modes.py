@@ -31,8 +31,23 @@ MODES: dict[str, ModeSpec] = {
     ),
     "ghost_fsdp_sync": ModeSpec(
         private=True,
-        engine_kwargs={"sync_optimization": True},
+        engine_kwargs={"restricted_first_pass": False, "keep_unsharded": False},
         description="ours: first backward without gradient sync",
+    ),
+    "ghost_fsdp_keep": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": False, "keep_unsharded": True},
+        description="ours: + parameters kept unsharded between the passes",
+    ),
+    "ghost_fsdp_restricted": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": True, "keep_unsharded": False},
+        description="ours: + first backward w.r.t. activations only",
+    ),
+    "ghost_fsdp_parity": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": True, "keep_unsharded": True},
+        description="ours: both (the non-private step's collectives)",
     ),
 }
 

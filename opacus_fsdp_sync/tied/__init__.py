@@ -1,11 +1,12 @@
 """Exact ghost-clipping norms for weights shared by several layers (tied embeddings)."""
 
 from .detect import SharedParameter, UnsupportedTiedParameterError, find_shared_parameters
-from .grad_sample import tied_class
+from .grad_sample import TiedNormMixin, padding_aware_embedding_norm
 
 __all__ = [
     "SharedParameter",
     "UnsupportedTiedParameterError",
     "find_shared_parameters",
-    "tied_class",
+    "TiedNormMixin",
+    "padding_aware_embedding_norm",
 ]

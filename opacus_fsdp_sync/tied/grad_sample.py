@@ -4,7 +4,7 @@ Upstream gets tied weights wrong: on one device ``ghost`` refuses them, and ``gh
 computes ``sqrt(|G1|^2 + |G2|^2)``, dropping the cross term. Here, for every weight used by
 several layers, each use's own squared norm and every pair's cross term ``2 <G1, G2>``
 (:mod:`.cross_terms`) go into a per-sample accumulator that :meth:`get_norm_sample` adds to the
-norms of all other parameters. Models without shared weights never reach these classes.
+norms of all other parameters. Without shared weights the mixin defers to upstream.
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ import contextlib
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
-    GradSampleModuleFastGradientClipping,
 )
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleHooksFastGradientClippingFSDP,
-    GradSampleModuleFastGradientClippingFSDP,
 )
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
-from .._torch_compat import in_backward
 from . import cross_terms as ct
 from .detect import SharedParameter, check_supported, find_shared_parameters
 
@@ -92,13 +89,7 @@ class TiedNormMixin:
 
     # -- hooks ---------------------------------------------------------------------------------
     def capture_activations_hook(self, module, forward_input, _forward_output):
-        """Upstream's capture, counting a shared weight once per owning layer (one device).
-
-        A forward run inside backward is an activation-checkpointing recomputation: its inputs
-        were captured by the original forward, so it is skipped.
-        """
-        if in_backward():
-            return
+        """Upstream's capture, counting a shared weight once per owning layer (one device)."""
         if module not in self._tied_by_module or self._tied_is_fsdp:  # FSDP counts per module
             return super().capture_activations_hook(module, forward_input, _forward_output)
         # One device: upstream counts forwards per parameter and refuses any count above 1;
@@ -236,50 +227,3 @@ class TiedNormMixin:
             self._tied_sq = None
             self.per_sample_gradient_norms = norm
         return norm
-
-
-class TiedGradSampleModuleFastGradientClipping(TiedNormMixin, GradSampleModuleFastGradientClipping):
-    """``grad_sample_mode="ghost"`` (one device, DDP) with exact shared-weight norms."""
-
-    def __init__(self, m: nn.Module, **kwargs):
-        super().__init__(m, **kwargs)
-        self._init_tied()
-
-
-class TiedGradSampleHooksFastGradientClipping(TiedNormMixin, GradSampleHooksFastGradientClipping):
-    """``ghost`` with ``wrap_model=False`` and exact shared-weight norms."""
-
-    def __init__(self, m: nn.Module, **kwargs):
-        super().__init__(m, **kwargs)
-        self._init_tied()
-
-
-class TiedGradSampleModuleFastGradientClippingFSDP(
-    TiedNormMixin, GradSampleModuleFastGradientClippingFSDP
-):
-    """``grad_sample_mode="ghost_fsdp"`` (FSDP2) with exact shared-weight norms."""
-
-    def __init__(self, m: nn.Module, **kwargs):
-        super().__init__(m, **kwargs)
-        self._init_tied()
-
-
-class TiedGradSampleHooksFastGradientClippingFSDP(
-    TiedNormMixin, GradSampleHooksFastGradientClippingFSDP
-):
-    """``ghost_fsdp`` with ``wrap_model=False`` and exact shared-weight norms."""
-
-    def __init__(self, m: nn.Module, **kwargs):
-        super().__init__(m, **kwargs)
-        self._init_tied()
-
-
-def tied_class(grad_sample_mode: str, wrap_model: bool) -> type:
-    """The tied-aware Opacus class for a ghost mode."""
-    table = {
-        ("ghost", True): TiedGradSampleModuleFastGradientClipping,
-        ("ghost", False): TiedGradSampleHooksFastGradientClipping,
-        ("ghost_fsdp", True): TiedGradSampleModuleFastGradientClippingFSDP,
-        ("ghost_fsdp", False): TiedGradSampleHooksFastGradientClippingFSDP,
-    }
-    return table[(grad_sample_mode, wrap_model)]

@@ -1,0 +1,95 @@
+"""The engine's options (one typed dataclass) and the keep-unsharded memory policy."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("opacus_fsdp_sync")
+
+KEEP_UNSHARDED = (True, False, "auto")
+
+
+@dataclass(kw_only=True)
+class GhostOptions:
+    """How :class:`~opacus_fsdp_sync.PrivacyEngine` runs a ghost-clipping step.
+
+    Every option is exact (tested against upstream Opacus and a clip-each-sample loop); they
+    change only cost.
+    """
+
+    sync_optimization: bool = True
+    """False runs upstream Opacus's two passes unchanged (every option below off), for A/B."""
+    restricted_first_pass: bool = True
+    """Differentiate the norm-only first pass w.r.t. activations only: no weight gradients, no
+    reduce-scatter, about half that pass's FLOPs. Fails loudly if a hooked layer is missed."""
+    keep_unsharded: bool | str = "auto"
+    """FSDP2: keep parameters unsharded between the passes, so the second backward issues no
+    all-gather (the non-private step's count). ``"auto"``: on when the unsharded parameters fit
+    ``keep_unsharded_budget_bytes``."""
+    keep_unsharded_budget_bytes: int | None = None
+    """Budget for ``keep_unsharded="auto"``. None: half the free CUDA memory, or a quarter of
+    the available host memory on CPU."""
+    timing: bool | None = None
+    """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
+
+    def __post_init__(self) -> None:
+        if self.keep_unsharded not in KEEP_UNSHARDED:
+            raise ValueError(
+                f"keep_unsharded={self.keep_unsharded!r}: choose True, False or 'auto'"
+            )
+        budget = self.keep_unsharded_budget_bytes
+        if budget is not None and budget < 0:
+            raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
+
+    @property
+    def effective(self) -> GhostOptions:
+        """The options in force: everything off when ``sync_optimization`` is False."""
+        if self.sync_optimization:
+            return self
+        return GhostOptions(
+            sync_optimization=False,
+            restricted_first_pass=False,
+            keep_unsharded=False,
+            timing=self.timing,
+        )
+
+
+def default_budget(device: torch.device) -> int:
+    """Half the free CUDA memory, or a quarter of ``MemAvailable`` on CPU (0 if unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except OSError:
+        pass
+    return 0
+
+
+def decide_keep_unsharded(options: GhostOptions, extra_bytes: int, device: torch.device) -> bool:
+    """Applies the keep-unsharded policy and logs the choice and why."""
+    mib = extra_bytes / 2**20
+    if options.keep_unsharded is not True and options.keep_unsharded is not False:
+        budget = options.keep_unsharded_budget_bytes
+        budget = default_budget(device) if budget is None else budget
+        keep = extra_bytes <= budget
+        logger.info(
+            "[Ghost] keep_unsharded=auto -> %s: unsharded parameters need %.1f MiB per rank "
+            "between the passes, budget %.1f MiB",
+            "on" if keep else "off",
+            mib,
+            budget / 2**20,
+        )
+        return keep
+    logger.info(
+        "[Ghost] keep_unsharded=%s (set by the user; %.1f MiB per rank between the passes)",
+        options.keep_unsharded,
+        mib,
+    )
+    return bool(options.keep_unsharded)
