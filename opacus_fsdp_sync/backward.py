@@ -117,6 +117,12 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         tracking = hasattr(self.module, "take_first_pass_sources")
         sources = self.module.take_first_pass_sources() if tracking else []
         restricted = self.context.restricted_first_pass and bool(sources)
+        if getattr(controller, "requires_restricted", False) and not restricted:
+            raise RuntimeError(
+                "opacus_fsdp_sync: this DDP step found no first-pass source (no hooked layer "
+                "whose inputs need no gradient), so its first backward would all-reduce and the "
+                "swapped optimizer would not: pass restricted_first_pass=False to PrivacyEngine."
+            )
         ok = False
         try:
             with phase("first_backward"), timer.phase("first_backward"):

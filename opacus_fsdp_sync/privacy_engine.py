@@ -16,7 +16,7 @@ import torch
 from .backward import GhostStepContext, SyncDPLoss
 from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import make_controller
-from .distributed.detect import FSDP1, FSDP2, get_fsdp_root_module
+from .distributed.detect import DDP, FSDP1, FSDP2, get_fsdp_root_module
 from .grad_sample import ghost_class
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
@@ -118,12 +118,22 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
         )
         with self._call_options(overrides):
-            self._options_now()  # validates the overrides before anything is wrapped
+            opts = self._options_now()  # validates the overrides before anything is wrapped
+            self._swap_ddp_optimizer = False
             if kwargs.get("grad_sample_mode") in _GHOST_MODES and "module" in kwargs:
                 root = get_fsdp_root_module(kwargs["module"])
                 if root.api == FSDP1:
                     make_controller(root, enabled=True)
-            return super().make_private(**kwargs)
+                self._swap_ddp_optimizer = (
+                    root.api == DDP
+                    and opts.sync_optimization
+                    and opts.restricted_first_pass
+                    and not self.secure_mode
+                )
+            try:
+                return super().make_private(**kwargs)
+            finally:
+                self._swap_ddp_optimizer = False
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
@@ -136,6 +146,22 @@ class PrivacyEngine(opacus.PrivacyEngine):
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         with self._call_options(overrides):
             return super().make_private_with_epsilon(**kwargs)
+
+    def _prepare_optimizer(self, *, optimizer, **kwargs):
+        """Opacus's optimizer; for DDP with the restricted first pass, one without all-reduce.
+
+        DDP's bucketed all-reduce in the clipped pass already averaged the gradients.
+        """
+        if not getattr(self, "_swap_ddp_optimizer", False) or kwargs.get("clipping") != "flat":
+            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
+        from .optimizers import SharedNoiseDPOptimizer
+
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        generator = kwargs.get("noise_generator")
+        for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
+            kwargs.pop(name, None)
+        logger.info("[Ghost] DDP: optimizer without all-reduce, one noise draw shared by all ranks")
+        return SharedNoiseDPOptimizer(inner, generator=generator, secure_mode=False, **kwargs)
 
     def _prepare_model(
         self,
@@ -186,7 +212,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         keep = False
         if root.api == FSDP2 and opts.sync_optimization:
             keep = decide_keep_unsharded(opts, internals.unsharded_bytes(root.modules), device)
-        controller = make_controller(root, enabled=opts.sync_optimization, keep_unsharded=keep)
+        controller = make_controller(
+            root,
+            enabled=opts.sync_optimization,
+            keep_unsharded=keep,
+            restricted=opts.restricted_first_pass,
+        )
         if root.api is not None and not opts.sync_optimization:
             logger.info("[Ghost] sync optimization off (sync_optimization=False): upstream passes")
         elif controller.enabled_message:

@@ -7,7 +7,6 @@ whatever the pass produced and restores the user's own settings and gradients ex
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -129,37 +128,44 @@ def _drop_grad(param: nn.Parameter) -> None:
 
 
 class DDPController:
-    """DDP: the first pass runs under ``no_sync()`` so its bucketed all-reduce is skipped."""
+    """DDP: DDP arms its reducer in forward, so ``no_sync()`` around a backward does nothing.
+
+    What skips the first pass's all-reduce is the activations-only first pass: it produces no
+    parameter gradient, so DDP's bucketed all-reduce fires in the clipped second pass instead,
+    and the engine swaps in :class:`~opacus_fsdp_sync.optimizers.SharedNoiseDPOptimizer`, which
+    does not all-reduce again. A step that could not restrict its first pass must therefore fail.
+    """
 
     api = DDP
-    enabled_message = "[Ghost] DDP optimization enabled: using no_sync() for first backward"
+    requires_restricted = True
+    enabled_message = (
+        "[Ghost] DDP optimization enabled: first backward w.r.t. activations only, "
+        "one bucketed all-reduce per step"
+    )
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self._ctx: contextlib.AbstractContextManager | None = None
 
     def begin_first_pass(self) -> None:
-        """Enters ``no_sync()``."""
-        self._ctx = self.module.no_sync()
-        self._ctx.__enter__()
+        """Nothing to switch: the restricted pass produces no gradient to all-reduce."""
 
     def end_first_pass(self) -> None:
-        """Leaves ``no_sync()``."""
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        """Nothing to restore."""
 
     def abort(self) -> None:
         """Nothing to reset for DDP: its reducer re-arms at the next forward."""
 
 
-def make_controller(root: DistributedRoot, *, enabled: bool, keep_unsharded: bool = False):
+def make_controller(
+    root: DistributedRoot, *, enabled: bool, keep_unsharded: bool = False, restricted: bool = False
+):
     """Builds the controller for a detected API.
 
     Args:
         root: the result of :func:`~opacus_fsdp_sync.distributed.detect.get_fsdp_root_module`.
         enabled: False returns a :class:`NullController` (upstream behaviour).
         keep_unsharded: FSDP2 only: keep parameters unsharded between the two passes.
+        restricted: Whether the first pass is activations-only (DDP needs it to save anything).
 
     Raises:
         UnsupportedConfigurationError: for FSDP1 (its retained-graph double backward fails in
@@ -181,8 +187,8 @@ def make_controller(root: DistributedRoot, *, enabled: bool, keep_unsharded: boo
             return NullController()
         return FSDP2Controller(root.modules, keep_unsharded=keep_unsharded)
     if root.api == DDP:
-        if not hasattr(root.modules[0], "no_sync"):
-            logger.warning("Warning: FSDP detected but sync control not available")
+        if not restricted:
+            logger.info("[Ghost] DDP without the activations-only first pass: upstream passes")
             return NullController()
         return DDPController(root.modules[0])
     raise AssertionError(f"unknown API {root.api!r}")

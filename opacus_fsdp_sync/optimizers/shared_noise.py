@@ -1,0 +1,105 @@
+"""A DP optimizer for DDP gradients that arrive averaged, with one noise draw for every rank.
+
+With the activations-only first pass, DDP's bucketed all-reduce runs in the clipped second pass,
+so each rank's ``p.grad`` is the average over ranks of the clipped sums. Upstream's distributed
+optimizer would all-reduce every parameter again. This optimizer skips that and adds, on every
+rank, the same Gaussian draw (rank 0's generator state is broadcast once), scaled for the average:
+the step equals upstream's ``sum/(W b) + noise/(W b)`` and a single process on the global batch
+with the same generator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers.optimizer import _generate_noise
+from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
+
+
+class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
+    """``DPOptimizerFastGradientClipping`` for gradients already averaged by DDP.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        noise_multiplier: As in Opacus.
+        max_grad_norm: As in Opacus.
+        expected_batch_size: Per-rank expected batch size (as Opacus computes it under DDP).
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        generator: Rank 0's generator; its state is broadcast so every rank draws the same
+            noise. None seeds a fresh generator on rank 0.
+        secure_mode: Must be False (a shared pseudo-random draw is not secure noise).
+        **kwargs: Passed to Opacus.
+
+    Raises:
+        ValueError: with ``secure_mode=True``.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        noise_multiplier,
+        max_grad_norm,
+        expected_batch_size,
+        loss_reduction="mean",
+        generator=None,
+        secure_mode=False,
+        **kwargs,
+    ):
+        if secure_mode:
+            raise ValueError(
+                "SharedNoiseDPOptimizer shares one pseudo-random draw across ranks and cannot run "
+                "with secure_mode=True; use PrivacyEngine(restricted_first_pass=False) for DDP."
+            )
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=None,
+            secure_mode=False,
+            **kwargs,
+        )
+        self.world_size = dist.get_world_size()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.generator = _shared_generator(generator, device)
+
+    def add_noise(self) -> None:
+        """``p.grad = summed + noise / W`` (mean) or ``summed * W + noise`` (sum).
+
+        The noise is the same on every rank (shared generator state).
+        """
+        multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+        for p in self.params:
+            noise = _generate_noise(
+                std=multiplier * self.max_grad_norm,
+                reference=p.summed_grad,
+                generator=self.generator,
+                secure_mode=False,
+            )
+            if self.loss_reduction == "mean":
+                p.grad = (p.summed_grad + noise / self.world_size).view_as(p)
+            else:
+                p.grad = (p.summed_grad * self.world_size + noise).view_as(p)
+
+
+def _shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` whose state is rank 0's (``generator``'s, or a fresh seed)."""
+    shared = torch.Generator(device=device)
+    if dist.get_rank() == 0:
+        if generator is not None and generator.device == device:
+            shared.set_state(generator.get_state())
+        else:
+            seed = (
+                int(torch.randint(0, 2**62, (1,), generator=generator).item())
+                if generator is not None
+                else torch.seed()
+            )
+            shared.manual_seed(seed)
+    state = shared.get_state()
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = state.to(comm_device)
+    dist.broadcast(buf, src=0)
+    shared.set_state(buf.cpu())
+    return shared
