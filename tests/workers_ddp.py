@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import toy_sample_loss
-from tests.workers_core import B_LOCAL, LR, _data, _max_diff
+from tests.workers_core import B_LOCAL, LR, _max_diff
 
 warnings.filterwarnings("ignore")
 
