@@ -119,9 +119,10 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         restricted = self.context.restricted_first_pass and bool(sources)
         if getattr(controller, "requires_restricted", False) and not restricted:
             raise RuntimeError(
-                "opacus_fsdp_sync: this DDP step found no first-pass source (no hooked layer "
-                "whose inputs need no gradient), so its first backward would all-reduce and the "
-                "swapped optimizer would not: pass restricted_first_pass=False to PrivacyEngine."
+                f"opacus_fsdp_sync: this {controller.api} step found no first-pass source (no "
+                "hooked layer whose inputs need no gradient), and the sync-skipping step for this "
+                "API relies on an activations-only first pass. For DDP pass "
+                "restricted_first_pass=False to PrivacyEngine; FSDP1 has no fallback (use FSDP2)."
             )
         ok = False
         try:

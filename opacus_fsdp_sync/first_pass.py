@@ -53,10 +53,13 @@ class PassTrackingMixin:
             and torch.is_grad_enabled()
             and self.hooks_enabled
         ):
-            self._captured[id(module)] = module
-            if not any(t.requires_grad for t in _tensors(forward_input)):
-                self._sources.extend(t for t in _tensors(forward_output) if t.requires_grad)
+            self._record_pass_inputs(module, forward_input, forward_output)
         return super().capture_activations_hook(module, forward_input, forward_output)
+
+    def _record_pass_inputs(self, module, forward_input, forward_output) -> None:
+        self._captured[id(module)] = module
+        if not any(t.requires_grad for t in _tensors(forward_input)):
+            self._sources.extend(t for t in _tensors(forward_output) if t.requires_grad)
 
     def capture_backprops_hook(self, module, *args, **kwargs):
         """Marks the layer as reported, then runs Opacus's norm computation."""

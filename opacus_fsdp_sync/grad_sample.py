@@ -2,11 +2,12 @@
 
 The engine uses them for every ``ghost`` / ``ghost_fsdp`` model it prepares: shared-weight cross
 terms and padding-aware embedding norms (:mod:`.tied`), activations-only first-pass sources and
-the missed-hook check (:mod:`.first_pass`).
+the missed-hook check (:mod:`.first_pass`), a direct Llama RMSNorm norm (:mod:`.rms_norm`).
 """
 
 from __future__ import annotations
 
+import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
@@ -17,7 +18,9 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
+from ._torch_compat import in_backward
 from .first_pass import PassTrackingMixin
+from .rms_norm import rms_norm_samplers
 from .tied.grad_sample import TiedNormMixin
 
 
@@ -26,8 +29,65 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
 
     def __init__(self, m: nn.Module, **kwargs):
         super().__init__(m, **kwargs)
+        # Instance-level sampler table: upstream's, padding-aware embeddings, direct RMSNorm.
+        self.NORM_SAMPLERS = {**type(self).NORM_SAMPLERS, **rms_norm_samplers(m)}
         self._init_tied()
         self._init_pass_tracking()
+        self._presize_norm_lists()
+        # FSDP1 unregisters parameters during forward and backward, when Opacus looks for the
+        # layers that own trainable parameters: remember them as they are now.
+        self._hooked = list(super().iterate_submodules(self._module))
+        self._trainable = {id(m) for m in self._hooked}
+
+    def iterate_submodules(self, module: nn.Module):
+        """The layers Opacus hooked, as found at wrap time (see ``__init__``)."""
+        hooked = getattr(self, "_hooked", None)
+        if hooked is not None and module is self._module:
+            return iter(hooked)
+        return super().iterate_submodules(module)
+
+    def _is_trainable(self, module: nn.Module) -> bool:
+        params = list(module.parameters(recurse=False))
+        if params:
+            return any(p.requires_grad for p in params)
+        return id(module) in getattr(self, "_trainable", ())
+
+    def capture_activations_hook(self, module, forward_input, forward_output):
+        """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters."""
+        if not isinstance(self, GradSampleHooksFastGradientClippingFSDP) or any(
+            True for _ in module.parameters(recurse=False)
+        ):
+            return super().capture_activations_hook(module, forward_input, forward_output)
+        # FSDP1 inside forward: parameters unregistered; Opacus's FSDP capture, with our check.
+        if in_backward() or not (
+            self._is_trainable(module)
+            and module.training
+            and torch.is_grad_enabled()
+            and self.hooks_enabled
+        ):
+            return None
+        self._record_pass_inputs(module, forward_input, forward_output)
+        if not hasattr(module, "activations"):
+            module.activations = []
+        module.activations.append([t.detach() for t in forward_input])
+        module._forward_counter = getattr(module, "_forward_counter", 0) + 1
+        if module._forward_counter > 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} was called more than once in one forward; ghost "
+                "clipping needs one call per layer per forward."
+            )
+        return None
+
+    def _presize_norm_lists(self) -> None:
+        """Sizes each layer's ``norm_sample`` list now (FSDP variant).
+
+        FSDP1 unregisters the parameters during backward, when upstream sizes the list.
+        """
+        if not isinstance(self, GradSampleHooksFastGradientClippingFSDP):
+            return
+        for module in self.iterate_submodules(self._module):
+            n = sum(1 for p in module.parameters(recurse=False) if p.requires_grad)
+            module.norm_sample = [None] * n
 
 
 class GhostGradSampleModule(_Ours, GradSampleModuleFastGradientClipping):

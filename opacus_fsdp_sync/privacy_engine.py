@@ -14,8 +14,9 @@ import opacus
 import torch
 
 from .backward import GhostStepContext, SyncDPLoss
+from .distributed import _fsdp1_internals as fsdp1_internals
 from .distributed import _fsdp2_internals as internals
-from .distributed.controllers import make_controller
+from .distributed.controllers import UnsupportedConfigurationError, make_controller
 from .distributed.detect import DDP, FSDP1, FSDP2, get_fsdp_root_module
 from .grad_sample import ghost_class
 from .options import GhostOptions, decide_keep_unsharded
@@ -120,10 +121,16 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._swap_ddp_optimizer = False
+            self._fsdp1_call: set[str] | None = None
             if kwargs.get("grad_sample_mode") in _GHOST_MODES and "module" in kwargs:
                 root = get_fsdp_root_module(kwargs["module"])
                 if root.api == FSDP1:
-                    make_controller(root, enabled=True)
+                    make_controller(
+                        root,
+                        enabled=opts.sync_optimization,
+                        restricted=opts.restricted_first_pass,
+                    )  # raises early for what FSDP1 cannot do
+                    self._fsdp1_call = fsdp1_internals.sharding_strategies(root.modules[0])
                 self._swap_ddp_optimizer = (
                     root.api == DDP
                     and opts.sync_optimization
@@ -134,6 +141,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 return super().make_private(**kwargs)
             finally:
                 self._swap_ddp_optimizer = False
+                self._fsdp1_call = None
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
@@ -147,20 +155,44 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(overrides):
             return super().make_private_with_epsilon(**kwargs)
 
+    def _prepare_data_loader(self, data_loader, *, distributed, **kwargs):
+        """Opacus's data loader; FSDP1 (which Opacus does not count as distributed) is."""
+        distributed = distributed or getattr(self, "_fsdp1_call", None) is not None
+        return super()._prepare_data_loader(data_loader, distributed=distributed, **kwargs)
+
     def _prepare_optimizer(self, *, optimizer, **kwargs):
-        """Opacus's optimizer; for DDP with the restricted first pass, one without all-reduce.
+        """Opacus's optimizer, or ours where the distributed API already reduced gradients.
 
-        DDP's bucketed all-reduce in the clipped pass already averaged the gradients.
+        DDP with the restricted first pass: DDP's bucketed all-reduce in the clipped pass already
+        averaged the gradients, so no second all-reduce, one noise draw shared by all ranks.
+        FSDP1: per-rank batch and sharded gradients (FULL_SHARD, SHARD_GRAD_OP), or replicated
+        averaged gradients with shared noise (NO_SHARD).
         """
-        if not getattr(self, "_swap_ddp_optimizer", False) or kwargs.get("clipping") != "flat":
-            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
-        from .optimizers import SharedNoiseDPOptimizer
+        from .optimizers import FSDP1DPOptimizer, SharedNoiseDPOptimizer
 
+        fsdp1 = getattr(self, "_fsdp1_call", None)
+        swap = getattr(self, "_swap_ddp_optimizer", False)
+        if (fsdp1 is None and not swap) or kwargs.get("clipping") != "flat":
+            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         inner = getattr(optimizer, "original_optimizer", optimizer)
-        generator = kwargs.get("noise_generator")
+        generator = self.secure_rng if self.secure_mode else kwargs.get("noise_generator")
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
-        logger.info("[Ghost] DDP: optimizer without all-reduce, one noise draw shared by all ranks")
+        if fsdp1 is not None:
+            kwargs["expected_batch_size"] /= torch.distributed.get_world_size()
+        if fsdp1 is not None and "NO_SHARD" not in fsdp1:
+            logger.info("[Ghost] FSDP1: sharded DP optimizer, independent noise per shard")
+            return FSDP1DPOptimizer(
+                inner, generator=generator, secure_mode=self.secure_mode, **kwargs
+            )
+        if fsdp1 is not None and len(fsdp1) > 1:
+            raise UnsupportedConfigurationError(
+                f"FSDP1 units mix sharding strategies {sorted(fsdp1)}; use one strategy."
+            )
+        logger.info(
+            "[Ghost] %s: optimizer without all-reduce, one noise draw shared by all ranks",
+            "FSDP1 NO_SHARD" if fsdp1 else "DDP",
+        )
         return SharedNoiseDPOptimizer(inner, generator=generator, secure_mode=False, **kwargs)
 
     def _prepare_model(

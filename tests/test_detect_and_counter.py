@@ -26,5 +26,5 @@ def test_detection_refusal_and_counter():
     assert res["fsdp2_through_gsm"] == ("fsdp2", True)
     assert res["ddp"] == "ddp"
     assert res["fsdp1"] == "fsdp1"
-    assert "FSDP1" in res["fsdp1_error"] and "fully_shard" in res["fsdp1_error"]
+    assert res["fsdp1_error"] is None  # accepted (refusals: tests/test_fsdp1.py)
     assert res["counter"] == {"probe": {"all_reduce": {"count": 1, "bytes": 4000}}}

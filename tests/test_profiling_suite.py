@@ -84,7 +84,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     assert "[Ghost] FSDP2 optimization enabled" in log and "[Ghost] first_backward:" in log
     for f in ("summary.md", "summary.csv", "phases.png", "communication.png"):
         assert (tmp_path / f).stat().st_size > 0
-    assert "| ghost_fsdp_sync | no | 32 |" in (tmp_path / "summary.md").read_text()
+    assert "| ghost_fsdp_sync | fsdp2 | no | 32 |" in (tmp_path / "summary.md").read_text()
     # parity: the non-private step's all-gathers and reduce-scatters
     for kind in ("all_gather", "reduce_scatter"):
         counts = [

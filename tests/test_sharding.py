@@ -66,7 +66,7 @@ def test_fsdp1_backend_from_the_same_config():
     res = run_ranks(ws.fsdp1_backend, 2, timeout=300)[0]
     for strategy in ("full", "shard_grad_op", "no_shard"):
         assert res[strategy] <= TOL, strategy
-    assert res["ghost"].startswith("UnsupportedConfigurationError: Ghost clipping under FSDP1")
+    assert res["ghost"] == "no error"  # ghost clipping on FSDP1 works (tests/test_fsdp1.py)
 
 
 @pytest.mark.distributed

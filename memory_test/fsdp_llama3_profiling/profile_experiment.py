@@ -59,7 +59,7 @@ class ExperimentConfig:
     mode: str = "ghost_fsdp_sync"
     """A row of ``opacus_fsdp_sync.profiling.MODES``."""
     fsdp_api: str = "fsdp2"
-    """Only ``fsdp2`` for now."""
+    """``fsdp2``, ``fsdp1`` (FullyShardedDataParallel, use_orig_params) or ``ddp``."""
     strategy: str = "full"
     """Sharding strategy of ``opacus_fsdp_sync.sharding.ShardingConfig``."""
     wrap_policy: str = "transformer"
@@ -90,8 +90,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         get_mode(self.mode)
         ShardingConfig(strategy=self.strategy, wrap_policy=self.wrap_policy)  # validates both
-        if self.fsdp_api != "fsdp2":
-            raise ValueError(f"fsdp_api={self.fsdp_api!r}: only 'fsdp2' is supported so far")
+        if self.fsdp_api not in ("fsdp2", "fsdp1", "ddp"):
+            raise ValueError(f"fsdp_api={self.fsdp_api!r}: choose fsdp2, fsdp1 or ddp")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: auto, bf16 or fp32")
         for f in ("seq_length", "batch_size", "steps"):
@@ -161,12 +161,19 @@ def run(cfg: ExperimentConfig) -> dict:
             f"{n_params:,}",
             tied,
         )
-    sharding = ShardingConfig.for_precision(mp, strategy=cfg.strategy, wrap_policy=cfg.wrap_policy)
-    model = shard_model(model, sharding, device=device)
+    vocab = model.config.vocab_size
+    if cfg.fsdp_api == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model.to(dtype=torch.float32))
+    else:
+        sharding = ShardingConfig.for_precision(
+            mp, strategy=cfg.strategy, wrap_policy=cfg.wrap_policy, backend=cfg.fsdp_api
+        )
+        model = shard_model(model, sharding, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     criterion = nn.CrossEntropyLoss()
     engine = None
-    vocab = model.config.vocab_size
     if mode.private:
         engine = PrivacyEngine(timing=True, **mode.engine_kwargs)
         dummy = TensorDataset(torch.zeros(cfg.batch_size * world, 1))

@@ -3,7 +3,8 @@
 # (Markdown + CSV) and plots. Environment overrides (defaults depend on whether a GPU is present):
 #   NPROC, MODEL, TASK, MODES, SEQ_LENGTHS, BATCH_SIZE, STEPS, WARMUP, OUT, MODEL_PATH, EXTRA_ARGS,
 #   TIE_VARIANTS ("preset", or any of "tied untied": the same model with the embedding and head
-#   tied or untied, to report the cost of the tied weight's cross term).
+#   tied or untied, to report the cost of the tied weight's cross term),
+#   FSDP_APIS (any of "fsdp2 fsdp1 ddp"; default fsdp2), STRATEGY, WRAP_POLICY.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python3}
@@ -20,15 +21,18 @@ fi
 TASK=${TASK:-causal_lm}
 MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_keep ghost_fsdp_restricted ghost_fsdp_parity"}
 TIE_VARIANTS=${TIE_VARIANTS:-preset}
+FSDP_APIS=${FSDP_APIS:-fsdp2}
+STRATEGY=${STRATEGY:-full}
+WRAP_POLICY=${WRAP_POLICY:-transformer}
 OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
 MODEL_PATH=${MODEL_PATH:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 mkdir -p "$OUT/logs"
 
 total=0
-for seq in $SEQ_LENGTHS; do for tie in $TIE_VARIANTS; do for mode in $MODES; do
-  total=$((total + 1)); done; done; done
-echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP"
+for seq in $SEQ_LENGTHS; do for tie in $TIE_VARIANTS; do for api in $FSDP_APIS; do
+  for mode in $MODES; do total=$((total + 1)); done; done; done; done
+echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS apis=[$FSDP_APIS] modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP"
 echo "Results: $OUT"
 
 i=0; failed=()
@@ -40,12 +44,14 @@ for seq in $SEQ_LENGTHS; do
     untied) suffix="_untied"; tie_args=(--no-tie-word-embeddings) ;;
     *) echo "TIE_VARIANTS: unknown variant '$tie' (use preset, tied, untied)"; exit 2 ;;
   esac
+  for api in $FSDP_APIS; do
+  api_suffix=""; [ "$api" != "fsdp2" ] && api_suffix="_${api}"
   for mode in $MODES; do
-    i=$((i + 1)); name="${mode}_seq${seq}${suffix}"
+    i=$((i + 1)); name="${mode}_seq${seq}${suffix}${api_suffix}"
     echo "experiment $i/$total: $name"
     args=(--model "$MODEL" --task "$TASK" --mode "$mode" --seq-length "$seq"
           --batch-size "$BATCH_SIZE" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT" --name "$name"
-          "${tie_args[@]}")
+          --fsdp-api "$api" --strategy "$STRATEGY" --wrap-policy "$WRAP_POLICY" "${tie_args[@]}")
     [ -n "$MODEL_PATH" ] && args+=(--model-path "$MODEL_PATH")
     # shellcheck disable=SC2206
     [ -n "$EXTRA_ARGS" ] && args+=($EXTRA_ARGS)
@@ -53,12 +59,13 @@ for seq in $SEQ_LENGTHS; do
         "$HERE/profile_experiment.py" "${args[@]}" >"$OUT/logs/$name.log" 2>&1 \
         || [ ! -f "$OUT/$name.json" ]; then
       echo "  FAILED: $name (log: $OUT/logs/$name.log)"; tail -n 5 "$OUT/logs/$name.log" | sed 's/^/    /'
-      printf '{"config": {"mode": "%s", "seq_length": %s, "name": "%s"}, "status": "failed"}\n' \
-        "$mode" "$seq" "$name" >"$OUT/$name.json"
+      printf '{"config": {"mode": "%s", "seq_length": %s, "name": "%s", "fsdp_api": "%s"}, "status": "failed"}\n' \
+        "$mode" "$seq" "$name" "$api" >"$OUT/$name.json"
       failed+=("$name")
     else
       grep -E "^\[Ghost\] $name:" "$OUT/logs/$name.log" | sed 's/^/  /' || true
     fi
+  done
   done
  done
 done

@@ -18,6 +18,7 @@ from opacus_fsdp_sync.profiling import MODES
 
 COLUMNS = [
     "mode",
+    "api",
     "tied",
     "seq",
     "step_ms_median",
@@ -34,6 +35,8 @@ COLUMNS = [
     "ag_MiB_per_step",
     "rs_per_step",
     "ag_per_step",
+    "ar_per_step",
+    "ar_MiB_per_step",
     "peak_mem_MiB",
     "status",
 ]
@@ -46,7 +49,8 @@ def _comm(result: dict, kind: str, phase: str | None = None, field: str = "bytes
 
 
 def _variant(r: dict):
-    return r["config"].get("tie_word_embeddings")
+    cfg = r["config"]
+    return cfg.get("tie_word_embeddings"), cfg.get("fsdp_api", "fsdp2")
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -74,7 +78,12 @@ def rows(results: list[dict]) -> list[dict]:
 
     for r in sorted(results, key=key):
         cfg = r["config"]
-        row = {"mode": cfg["mode"], "seq": cfg["seq_length"], "status": r.get("status", "?")}
+        row = {
+            "mode": cfg["mode"],
+            "seq": cfg["seq_length"],
+            "status": r.get("status", "?"),
+            "api": cfg.get("fsdp_api", "fsdp2"),
+        }
         if "model" in r:
             row["tied"] = "yes" if r["model"]["tied_embeddings"] else "no"
         if r.get("status") == "ok":
@@ -101,6 +110,8 @@ def rows(results: list[dict]) -> list[dict]:
                 ag_MiB_per_step=f"{_comm(r, 'all_gather') / 2**20:.2f}",
                 rs_per_step=f"{_comm(r, 'reduce_scatter', field='count'):g}",
                 ag_per_step=f"{_comm(r, 'all_gather', field='count'):g}",
+                ar_per_step=f"{_comm(r, 'all_reduce', field='count'):g}",
+                ar_MiB_per_step=f"{_comm(r, 'all_reduce') / 2**20:.2f}",
                 peak_mem_MiB=f"{r['peak_memory']['bytes'] / 2**20:.0f}",
             )
         out.append(row)

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import nn
 
+from . import _fsdp1_internals as fsdp1
 from . import _fsdp2_internals as internals
 from .detect import DDP, FSDP1, FSDP2, DistributedRoot
 
@@ -156,6 +157,39 @@ class DDPController:
         """Nothing to reset for DDP: its reducer re-arms at the next forward."""
 
 
+class FSDP1Controller:
+    """FSDP1: the activations-only first pass, with FSDP1's end-of-iteration held back.
+
+    The first pass must produce no parameter gradient (so FSDP1 reduce-scatters nothing and
+    does not reshard); its final callback is kept from being queued, and every state is set back
+    to IDLE afterwards, so that the second backward runs as a normal FSDP1 backward.
+    """
+
+    api = FSDP1
+    requires_restricted = True
+    enabled_message = (
+        "[Ghost] FSDP1 optimization enabled: first backward w.r.t. activations only, "
+        "no reduce-scatter and no re-all-gather"
+    )
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self._previous: bool | None = None
+
+    def begin_first_pass(self) -> None:
+        """Keeps FSDP1's final callback from ending the iteration after the first pass."""
+        self._previous = fsdp1.hold_final_callback(self.root)
+
+    def end_first_pass(self) -> None:
+        """Re-arms FSDP1's pre-backward hooks for the second pass."""
+        if self._previous is not None:
+            fsdp1.reopen_backward(self.root, self._previous)
+            self._previous = None
+
+    def abort(self) -> None:
+        """After a failure the states are IDLE again (``end_first_pass``); nothing else."""
+
+
 def make_controller(
     root: DistributedRoot, *, enabled: bool, keep_unsharded: bool = False, restricted: bool = False
 ):
@@ -172,12 +206,26 @@ def make_controller(
             torch's FSDP1 itself).
     """
     if root.api == FSDP1:
-        raise UnsupportedConfigurationError(
-            "Ghost clipping under FSDP1 (FullyShardedDataParallel) is not supported yet: FSDP1 "
-            "frees the unsharded parameters the retained graph points into at the end of the "
-            "first backward, so the second backward fails. Shard the model with FSDP2 "
-            "(torch.distributed.fsdp.fully_shard) and use grad_sample_mode='ghost_fsdp'."
-        )
+        if not (enabled and restricted):
+            raise UnsupportedConfigurationError(
+                "Ghost clipping under FSDP1 (FullyShardedDataParallel) needs the activations-only "
+                "first pass: FSDP1 frees the unsharded parameters the retained graph points into "
+                "at the end of a first backward that computes weight gradients, so the second "
+                "backward fails (upstream Opacus rejects FSDP1 for this reason). Keep "
+                "sync_optimization=True and restricted_first_pass=True, or use FSDP2."
+            )
+        bad = fsdp1.sharding_strategies(root.modules[0]) - {
+            "FULL_SHARD",
+            "SHARD_GRAD_OP",
+            "NO_SHARD",
+        }
+        if bad:
+            raise UnsupportedConfigurationError(
+                f"Ghost clipping under FSDP1 supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, not "
+                f"{sorted(bad)} (its noise would have to be shared within replica groups only); "
+                "use FSDP2 with strategy 'hybrid_full'."
+            )
+        return FSDP1Controller(root.modules[0])
     if not enabled or root.api is None:
         return NullController()
     if root.api == FSDP2:

@@ -1,5 +1,6 @@
 """DP optimizers our engine swaps in where the distributed API already reduced gradients."""
 
+from .fsdp1 import FSDP1DPOptimizer
 from .shared_noise import SharedNoiseDPOptimizer
 
-__all__ = ["SharedNoiseDPOptimizer"]
+__all__ = ["FSDP1DPOptimizer", "SharedNoiseDPOptimizer"]

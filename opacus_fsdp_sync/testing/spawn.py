@@ -43,6 +43,8 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, outdir: str, args
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
             payload = ("ok", fn(rank, world, *args))
+            # Rank 0 hosts the rendezvous store: nobody leaves before everybody is done.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim

@@ -1,0 +1,63 @@
+"""The one place that touches private FSDP1 (``FullyShardedDataParallel``) state.
+
+Verified on torch 2.13.0. FSDP1 ends its iteration at the end of every backward: the root's final
+callback reshards, frees the unsharded flat parameters that a retained graph still points into,
+and resets the pre-backward flags, so Opacus's second backward reads freed storage. With an
+activations-only first pass (no parameter gradient, so no post-backward hook fires), keeping that
+callback from being queued and putting every state back to IDLE lets the second backward run as a
+normal one: parameters stay unsharded from the first pass, gradients are reduce-scattered once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._fsdp2_internals import FSDPInternalsError
+
+VERIFIED_TORCH_VERSIONS = ("2.13",)
+
+
+def _fail(what: str) -> FSDPInternalsError:
+    return FSDPInternalsError(
+        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (FSDP1 internals "
+        f"verified on {', '.join(VERIFIED_TORCH_VERSIONS)}). Use FSDP2 (fully_shard), or pass "
+        "sync_optimization=False (which FSDP1 ghost clipping cannot run without)."
+    )
+
+
+def _states(root: nn.Module) -> list:
+    states = getattr(root, "_all_fsdp_states", None)
+    if states is None:
+        raise _fail("FullyShardedDataParallel._all_fsdp_states (call backward after a forward)")
+    return list(states)
+
+
+def hold_final_callback(root: nn.Module) -> bool:
+    """Marks the root's post-backward callback as already queued; returns the previous flag."""
+    if not hasattr(root, "_post_backward_callback_queued"):
+        raise _fail("FullyShardedDataParallel._post_backward_callback_queued")
+    previous = bool(root._post_backward_callback_queued)
+    root._post_backward_callback_queued = True
+    return previous
+
+
+def reopen_backward(root: nn.Module, previous_flag: bool) -> None:
+    """Puts every FSDP1 state back to IDLE with its pre-backward hook re-armed."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+
+    for state in _states(root):
+        state.training_state = TrainingState.IDLE
+        handle = getattr(state, "_handle", None)
+        if handle is not None:
+            if not hasattr(handle, "_ran_pre_backward_hook"):
+                raise _fail("FlatParamHandle._ran_pre_backward_hook")
+            handle._ran_pre_backward_hook = False
+    root._post_backward_callback_queued = previous_flag
+
+
+def sharding_strategies(root: nn.Module) -> set[str]:
+    """Names of the sharding strategies in use under ``root`` (``FULL_SHARD``, ...)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return {m.sharding_strategy.name for m in root.modules() if isinstance(m, FSDP)}

@@ -1,0 +1,124 @@
+"""Rank functions for ghost clipping under FSDP1 (use_orig_params=True)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
+from opacus_fsdp_sync.models import LlamaSpec, build_llama
+from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.workers_tied import llama_sample_loss
+
+warnings.filterwarnings("ignore")
+B_LOCAL, T, LR = 2, 10, 0.5
+
+
+def _full(model):
+    with FSDP.summon_full_params(model):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().float().clone()
+            for n, p in model.named_parameters()
+        }
+
+
+def _diff(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def fsdp1_exactness(
+    rank: int,
+    world: int,
+    strategies: list,
+    steps: int = 2,
+    tie=False,
+    precision="fp32",
+    noise=0.0,
+) -> dict:
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
+    b = B_LOCAL * world
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, base.config.vocab_size, (b * steps, T), generator=g)
+    _, norms = per_sample_clipped_grads(
+        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
+    )
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    for s in range(steps):
+        x = ids[s * b : (s + 1) * b]
+        clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    out = {"clipped": int((norms > C).sum()), "n": len(norms), "results": {}}
+    for strategy in strategies:
+        cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)
+        model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+        gsm, opt, crit, _ = PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(TensorDataset(ids), batch_size=b),
+            noise_multiplier=noise,
+            max_grad_norm=C,
+            poisson_sampling=False,
+            grad_sample_mode="ghost_fsdp",
+        )
+        counts = []
+        for s in range(steps):
+            x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
+            with CollectiveCounter() as counter:
+                with phase("forward"):
+                    logits = gsm(input_ids=x).logits[:, :-1]
+                loss = crit(
+                    logits.reshape(-1, logits.shape[-1]),
+                    x[:, 1:].reshape(-1),
+                    shape=logits.shape[:2],
+                )
+                loss.backward()
+                with phase("optimizer_step"):
+                    opt.step()
+                    opt.zero_grad()
+            counts.append(counter.as_dict())
+        out["results"][strategy] = {
+            "vs_loop": _diff(_full(model), ref_params),
+            "counts": counts,
+            "optimizer": type(opt).__name__,
+        }
+    return out
+
+
+def fsdp1_refusals(rank: int, world: int) -> dict:
+    """What FSDP1 ghost clipping cannot do is refused at make_private, with a message."""
+    from opacus_fsdp_sync import UnsupportedConfigurationError
+
+    out = {}
+    torch.manual_seed(0)
+    ids = torch.randint(1, 100, (4 * world, T))
+    cases = {
+        "hybrid": (ShardingConfig(backend="fsdp1", strategy="hybrid_full", replicate_degree=1), {}),
+        "upstream_passes": (ShardingConfig(backend="fsdp1"), {"sync_optimization": False}),
+    }
+    for name, (cfg, opts) in cases.items():
+        model = shard_model(build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu"))
+        try:
+            PrivacyEngine(**opts).make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                criterion=nn.CrossEntropyLoss(),
+                data_loader=DataLoader(TensorDataset(ids), batch_size=4 * world),
+                noise_multiplier=0.0,
+                max_grad_norm=1.0,
+                poisson_sampling=False,
+                grad_sample_mode="ghost_fsdp",
+            )
+            out[name] = "no error"
+        except UnsupportedConfigurationError as err:
+            out[name] = str(err)
+    return out
