@@ -105,8 +105,16 @@ def fsdp1_refusals(rank: int, world: int) -> dict:
         "hybrid": (ShardingConfig(backend="fsdp1", strategy="hybrid_full", replicate_degree=1), {}),
         "upstream_passes": (ShardingConfig(backend="fsdp1"), {"sync_optimization": False}),
     }
-    for name, (cfg, opts) in cases.items():
-        model = shard_model(build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu"))
+    flat = FSDP(
+        build_llama(LlamaSpec(preset="tiny")), device_id=torch.device("cpu"), use_orig_params=False
+    )
+    for name, (cfg, opts) in [*cases.items(), ("flat_params", (None, {}))]:
+        if cfg is None:
+            model = flat
+        else:
+            model = shard_model(
+                build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu")
+            )
         try:
             PrivacyEngine(**opts).make_private(
                 module=model,

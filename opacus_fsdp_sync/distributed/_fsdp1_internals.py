@@ -61,3 +61,16 @@ def sharding_strategies(root: nn.Module) -> set[str]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return {m.sharding_strategy.name for m in root.modules() if isinstance(m, FSDP)}
+
+
+def uses_orig_params(root: nn.Module) -> bool:
+    """Whether every FSDP1 instance under ``root`` was built with ``use_orig_params=True``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flags = []
+    for m in root.modules():
+        if isinstance(m, FSDP):
+            if not hasattr(m, "_use_orig_params"):
+                raise _fail("FullyShardedDataParallel._use_orig_params")
+            flags.append(bool(m._use_orig_params))
+    return all(flags)

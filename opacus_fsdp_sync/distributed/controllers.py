@@ -214,6 +214,13 @@ def make_controller(
                 "backward fails (upstream Opacus rejects FSDP1 for this reason). Keep "
                 "sync_optimization=True and restricted_first_pass=True, or use FSDP2."
             )
+        if not fsdp1.uses_orig_params(root.modules[0]):
+            raise UnsupportedConfigurationError(
+                "Ghost clipping under FSDP1 needs use_orig_params=True: with flat parameters the "
+                "layers Opacus hooks own no parameter, so their per-sample norms would be "
+                "missing. Wrap with FullyShardedDataParallel(..., use_orig_params=True) (what "
+                "opacus_fsdp_sync.sharding.shard_model does)."
+            )
         bad = fsdp1.sharding_strategies(root.modules[0]) - {
             "FULL_SHARD",
             "SHARD_GRAD_OP",
