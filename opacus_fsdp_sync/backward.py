@@ -31,6 +31,9 @@ class GhostStepContext:
     timer: StepTimer = field(default_factory=StepTimer)
     restricted_first_pass: bool = False
     """Differentiate the first pass w.r.t. activations only (no weight gradients)."""
+    handoff: object = None
+    """With the restricted first pass: delivers clipped gradients computed from it (one
+    backward per step); None runs the second backward."""
 
 
 def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
@@ -124,16 +127,21 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "API relies on an activations-only first pass. For DDP pass "
                 "restricted_first_pass=False to PrivacyEngine; FSDP1 has no fallback (use FSDP2)."
             )
+        one = restricted and self.context.handoff is not None
+        if one:
+            self.module.keep_for_grads = True
         ok = False
         try:
             with phase("first_backward"), timer.phase("first_backward"):
                 controller.begin_first_pass()
-                reduced_loss.backward(inputs=sources if restricted else None, retain_graph=True)
+                reduced_loss.backward(inputs=sources if restricted else None, retain_graph=not one)
                 if restricted:
                     self.module.check_all_reported()
             ok = True
         finally:
             del sources
+            if one:
+                self.module.keep_for_grads = False
             with phase("re-enable_sync"), timer.phase("re-enable_sync"):
                 controller.end_first_pass()
             if tracking and not restricted:
@@ -146,14 +154,35 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 self.optimizer.original_optimizer.zero_grad(set_to_none=True)
         self.optimizer.zero_grad()
         coeff = self.module.get_clipping_coef()
-        second_loss = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
-        self.module.disable_hooks()
-        try:
-            with phase("second_backward"), timer.phase("second_backward"):
-                second_loss.backward()
-        finally:
-            self.module.enable_hooks()
+        if one:
+            self._deliver_clipped_gradients(coeff)
+        else:
+            second_loss = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
+            self.module.disable_hooks()
+            try:
+                with phase("second_backward"), timer.phase("second_backward"):
+                    second_loss.backward()
+            finally:
+                self.module.enable_hooks()
         timer.end_step()
+
+    def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
+        from .one_backward import clipped_gradients
+
+        timer = self.context.timer
+        kept = self.module.take_kept()
+        type_of = getattr(self.module, "_get_module_type", type)
+        try:
+            with phase("weight_grads"), timer.phase("weight_grads"):
+                grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
+            del kept
+            with phase("reduce_scatter"), timer.phase("reduce_scatter"):
+                self.context.handoff(grads)
+        except BaseException:
+            self.context.controller.abort()
+            reset_opacus_step_state(self.module)
+            self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+            raise
 
 
 class SyncDPLoss(DPLossFastGradientClipping):

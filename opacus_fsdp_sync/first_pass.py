@@ -38,6 +38,9 @@ class PassTrackingMixin:
         self._sources: list[torch.Tensor] = []
         self._captured: dict[int, nn.Module] = {}
         self._reported: set[int] = set()
+        #: When True, each layer's inputs and output gradient are kept for the one-backward step.
+        self.keep_for_grads = False
+        self._kept: list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]] = []
 
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Records sources and captured layers, then runs Opacus's capture.
@@ -61,11 +64,20 @@ class PassTrackingMixin:
         if not any(t.requires_grad for t in _tensors(forward_input)):
             self._sources.extend(t for t in _tensors(forward_output) if t.requires_grad)
 
-    def capture_backprops_hook(self, module, *args, **kwargs):
-        """Marks the layer as reported, then runs Opacus's norm computation."""
+    def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
+        """Marks the layer as reported, keeps what one backward needs, runs Opacus's norms."""
         if self.hooks_enabled:
             self._reported.add(id(module))
-        return super().capture_backprops_hook(module, *args, **kwargs)
+            if self.keep_for_grads and getattr(module, "activations", None):
+                self._kept.append((module, module.activations[-1], forward_output[0].detach()))
+        return super().capture_backprops_hook(
+            module, forward_input, forward_output, *args, **kwargs
+        )
+
+    def take_kept(self) -> list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]]:
+        """The kept ``(layer, inputs, output gradient)`` of the last first pass (and forgets)."""
+        kept, self._kept = self._kept, []
+        return kept
 
     def take_first_pass_sources(self) -> list[torch.Tensor]:
         """The sources of the last forward (and forgets them); empty when nothing was captured."""
@@ -91,4 +103,4 @@ class PassTrackingMixin:
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded."""
-        self._sources, self._captured, self._reported = [], {}, set()
+        self._sources, self._captured, self._reported, self._kept = [], {}, set(), []

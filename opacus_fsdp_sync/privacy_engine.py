@@ -59,6 +59,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._context: GhostStepContext | None = None
         self.sync_api: str | None = None
         self.keep_unsharded: bool = False
+        self.one_backward: bool = False
 
     @property
     def sync_optimization(self) -> bool:
@@ -93,6 +94,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         restricted_first_pass: bool | None = None,
         keep_unsharded: bool | str | None = None,
         keep_unsharded_budget_bytes: int | None = None,
+        one_backward: bool | None = None,
         **kwargs,
     ):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
@@ -103,6 +105,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             restricted_first_pass: Likewise.
             keep_unsharded: Likewise.
             keep_unsharded_budget_bytes: Likewise.
+            one_backward: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
 
         Returns:
@@ -117,6 +120,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             restricted_first_pass=restricted_first_pass,
             keep_unsharded=keep_unsharded,
             keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
+            one_backward=one_backward,
         )
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
@@ -257,14 +261,45 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if opts.restricted_first_pass:
             logger.info("[Ghost] first backward w.r.t. activations only (no weight gradients)")
         self.sync_api, self.keep_unsharded = controller.api, keep
+        handoff = self._one_backward_handoff(module, root, opts)
+        self.one_backward = handoff is not None
         self._context = GhostStepContext(
             controller=controller,
             timer=StepTimer(enabled=timing, device=device),
             restricted_first_pass=opts.restricted_first_pass,
+            handoff=handoff,
         )
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
+
+    def _one_backward_handoff(self, module, root, opts):
+        """The one-backward hand-off for this model, or None (two passes); logs which and why."""
+        from .one_backward import make_handoff, unsupported_layers
+
+        if not (opts.one_backward and opts.restricted_first_pass):
+            why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
+            logger.info("[Ghost] step: two backward passes (%s)", why)
+            return None
+        handoff = make_handoff(root.api, root.modules)
+        if handoff is None:
+            logger.info(
+                "[Ghost] step: two backward passes (one backward not available on %s)", root.api
+            )
+            return None
+        type_of = getattr(module, "_get_module_type", type)
+        missing = unsupported_layers(
+            list(module.iterate_submodules(module._module)), type_of, root.api
+        )
+        if missing:
+            logger.info(
+                "[Ghost] step: two backward passes (no direct gradient formula for %s under %s)",
+                ", ".join(missing),
+                root.api,
+            )
+            return None
+        logger.info("[Ghost] step: one backward (clipped weight gradients from the first pass)")
+        return handoff
 
     @property
     def last_step_timings(self) -> dict[str, float]:

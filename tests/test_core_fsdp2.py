@@ -40,7 +40,11 @@ def test_every_option_set_equals_upstream_single_process_and_loop(world):
         assert min(res["update_size"]) > 100 * FP32_TOL  # the steps really moved the parameters
         assert set(res["sets"]) == set(workers_core.OPTION_SETS)
         for name, r in res["sets"].items():
-            assert r["vs_upstream"] == [0.0, 0.0], f"{name}: must equal upstream bit for bit"
+            assert r["one_backward"] is (name == "one_backward"), name
+            if name in workers_core.BIT_EXACT:
+                assert r["vs_upstream"] == [0.0, 0.0], f"{name}: must equal upstream bit for bit"
+            else:
+                assert max(r["vs_upstream"]) <= FP32_TOL, name
             assert max(r["vs_single"]) <= FP32_TOL, name
             assert max(r["vs_loop"]) <= FP32_TOL, name
             for step in range(2):
@@ -72,9 +76,13 @@ def _assert_communication(res, world):
                 f"{nodp_ag} RS {nodp_rs}"
             )
             assert "reduce_scatter" not in ours["first_backward"], name
-            assert ours["second_backward"]["reduce_scatter"]["count"] == nodp_rs, name
+            after = "reduce_scatter" if r["one_backward"] else "second_backward"
+            assert ours[after]["reduce_scatter"]["count"] == nodp_rs, name
             assert _total(ours, "reduce_scatter") == nodp_rs, name  # 1 per unit
-            if r["keep_unsharded"]:
+            if r["one_backward"]:  # no second backward: the non-private step's collectives
+                assert "second_backward" not in ours, name
+                assert _total(ours, "all_gather") == nodp_ag, name
+            elif r["keep_unsharded"]:
                 assert "all_gather" not in ours["second_backward"], name
                 assert _total(ours, "all_gather") == nodp_ag, name  # the non-private count
             else:
@@ -93,13 +101,25 @@ def _assert_first_pass_flops(res):
     print(f"first-backward FLOPs restricted/full: {ratio:.3f}")
     assert ratio < 0.6
     assert restricted["flops"]["second_backward"] == full["flops"]["second_backward"]
+    one = res["sets"]["one_backward"]
+    assert not weights & {tuple(s) for s in one["matmuls"]["first_backward"]}
+    assert "second_backward" not in one["flops"]
+    # weight gradients now come from one matmul per layer, outside any backward
+    assert weights & {tuple(s) for s in one["matmuls"]["weight_grads"]}
+    step = sum(one["flops"].values())
+    two_pass = sum(restricted["flops"].values())
+    print(f"step FLOPs one backward / two passes: {step / two_pass:.3f}")
+    assert step < two_pass
 
 
 def test_bf16_mixed_precision_equals_upstream():
     for res in run_ranks(workers_core.core_exactness, 2, "bf16", timeout=400):
         _assert_clipping_active(res)
         for name, r in res["sets"].items():
-            assert r["vs_upstream"] == [0.0, 0.0], name
+            if name in workers_core.BIT_EXACT:
+                assert r["vs_upstream"] == [0.0, 0.0], name
+            else:  # bf16 weight gradients computed by another op order than autograd's
+                assert max(r["vs_upstream"]) <= BF16_TOL, name
             assert max(r["vs_loop"]) <= BF16_TOL, name
             for holds, _ in r["between"]:
                 assert holds == 0
@@ -134,7 +154,9 @@ def test_tiny_llama_trains_and_logs_ghost_timings():
     records = res["records"]
     enabled = "[Ghost] FSDP2 optimization enabled: disabling gradient sync for first backward"
     assert records.count(enabled) == 1
-    for name in ("first_backward", "re-enable_sync", "second_backward"):
+    assert "[Ghost] step: one backward (clipped weight gradients from the first pass)" in records
+    phases = ("first_backward", "re-enable_sync", "weight_grads", "reduce_scatter")
+    for name in phases:
         lines = [r for r in records if r.startswith(f"[Ghost] {name}: ") and r.endswith(" ms")]
         assert len(lines) == len(losses)
-    assert set(res["timings"]) == {"first_backward", "re-enable_sync", "second_backward"}
+    assert set(res["timings"]) == set(phases)

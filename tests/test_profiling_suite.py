@@ -43,7 +43,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         WARMUP="1",
         BATCH_SIZE="2",
         OUT=str(tmp_path),
-        MODES="no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_parity",
+        MODES="no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_parity ghost_fsdp_one_backward",
         CUDA_VISIBLE_DEVICES="",
     )
     proc = subprocess.run(
@@ -55,10 +55,16 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
-    assert "experiment 4/4: ghost_fsdp_parity_seq32" in proc.stdout
+    assert "experiment 5/5: ghost_fsdp_one_backward_seq32" in proc.stdout
     results = {
         m: json.loads((tmp_path / f"{m}_seq32.json").read_text())
-        for m in ("no_dp", "ghost_fsdp", "ghost_fsdp_sync", "ghost_fsdp_parity")
+        for m in (
+            "no_dp",
+            "ghost_fsdp",
+            "ghost_fsdp_sync",
+            "ghost_fsdp_parity",
+            "ghost_fsdp_one_backward",
+        )
     }
     for mode, r in results.items():
         assert r["status"] == "ok"
@@ -89,6 +95,9 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     for kind in ("all_gather", "reduce_scatter"):
         counts = [
             sum(p.get(kind, {}).get("count", 0) for p in results[m]["comm_per_step"].values())
-            for m in ("no_dp", "ghost_fsdp_parity")
+            for m in ("no_dp", "ghost_fsdp_parity", "ghost_fsdp_one_backward")
         ]
-        assert counts[0] == counts[1] > 0, (kind, counts)
+        assert counts[0] == counts[1] == counts[2] > 0, (kind, counts)
+    assert {"first_backward", "weight_grads", "reduce_scatter"} <= set(
+        results["ghost_fsdp_one_backward"]["phases_ms"]
+    )

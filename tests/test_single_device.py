@@ -71,13 +71,27 @@ def _diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_ghost_equals_upstream_and_loop(setup, sync):
+OPTION_SETS = {
+    "upstream_passes": (dict(sync_optimization=False), True),
+    "two_pass_restricted": (dict(one_backward=False), True),
+    "one_backward": (dict(), False),  # the default
+}
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_ghost_equals_upstream_and_loop(setup, name):
+    """Two-pass variants equal upstream bit for bit; one backward to fp32 rounding (1e-6)."""
+    options, bit_exact = OPTION_SETS[name]
     base, x, y, C = setup
-    ours, losses = _train(PrivacyEngine(sync_optimization=sync), base, x, y, C)
+    engine = PrivacyEngine(**options)
+    ours, losses = _train(engine, base, x, y, C)
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
     assert all(isinstance(loss, SyncDPTensor) for loss in losses)
-    assert _diff(ours, upstream) == 0.0
+    assert engine.one_backward is (name == "one_backward")
+    if bit_exact:
+        assert _diff(ours, upstream) == 0.0
+    else:
+        assert _diff(ours, upstream) <= 1e-6
     assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
     assert _diff(ours, {n: p for n, p in base.named_parameters()}) > 1e-3
 
@@ -95,7 +109,7 @@ def test_wrap_model_false(setup):
     ours, losses = _train(PrivacyEngine(), base, x, y, C, wrap_model=False)
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C, wrap_model=False)
     assert isinstance(losses[0], SyncDPTensor)
-    assert _diff(ours, upstream) == 0.0
+    assert _diff(ours, upstream) <= 1e-6
     assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
 
 
@@ -130,7 +144,12 @@ def test_make_private_with_epsilon(setup):
     assert isinstance(loss, SyncDPTensor)
     loss.backward()
     opt.step()
-    assert set(engine.last_step_timings) == {"first_backward", "re-enable_sync", "second_backward"}
+    assert set(engine.last_step_timings) == {
+        "first_backward",
+        "re-enable_sync",
+        "weight_grads",
+        "reduce_scatter",
+    }
     assert engine.get_epsilon(1e-5) > 0
 
 

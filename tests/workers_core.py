@@ -26,11 +26,14 @@ LR = 0.5
 B_LOCAL = 4
 #: Our option sets: sync skip only, + keep unsharded, + activations-only first pass, both.
 OPTION_SETS = {
-    "sync": dict(restricted_first_pass=False, keep_unsharded=False),
-    "keep": dict(restricted_first_pass=False, keep_unsharded=True),
-    "restricted": dict(restricted_first_pass=True, keep_unsharded=False),
-    "parity": dict(restricted_first_pass=True, keep_unsharded=True),
+    "sync": dict(restricted_first_pass=False, keep_unsharded=False, one_backward=False),
+    "keep": dict(restricted_first_pass=False, keep_unsharded=True, one_backward=False),
+    "restricted": dict(restricted_first_pass=True, keep_unsharded=False, one_backward=False),
+    "parity": dict(restricted_first_pass=True, keep_unsharded=True, one_backward=False),
+    "one_backward": dict(restricted_first_pass=True, keep_unsharded=False, one_backward=True),
 }
+#: Sets whose result must equal upstream bit for bit (the others: to fp32 rounding).
+BIT_EXACT = ("sync", "keep", "restricted", "parity")
 
 
 def _data(world: int, steps: int, seed: int = 1):
@@ -198,6 +201,7 @@ def core_exactness(
         ours = _run_fsdp(engine, base, x, y, rank, world, C, dtype, steps, probe=True)
         result["sets"][name] = dict(
             keep_unsharded=engine.keep_unsharded,
+            one_backward=engine.one_backward,
             norms=[n.tolist() for n in ours["norms"]],
             counts=ours["counts"],
             between=ours["between"],

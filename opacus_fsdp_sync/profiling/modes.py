@@ -31,23 +31,44 @@ MODES: dict[str, ModeSpec] = {
     ),
     "ghost_fsdp_sync": ModeSpec(
         private=True,
-        engine_kwargs={"restricted_first_pass": False, "keep_unsharded": False},
+        engine_kwargs={
+            "restricted_first_pass": False,
+            "keep_unsharded": False,
+            "one_backward": False,
+        },
         description="ours: first backward without gradient sync",
     ),
     "ghost_fsdp_keep": ModeSpec(
         private=True,
-        engine_kwargs={"restricted_first_pass": False, "keep_unsharded": True},
+        engine_kwargs={
+            "restricted_first_pass": False,
+            "keep_unsharded": True,
+            "one_backward": False,
+        },
         description="ours: + parameters kept unsharded between the passes",
     ),
     "ghost_fsdp_restricted": ModeSpec(
         private=True,
-        engine_kwargs={"restricted_first_pass": True, "keep_unsharded": False},
+        engine_kwargs={
+            "restricted_first_pass": True,
+            "keep_unsharded": False,
+            "one_backward": False,
+        },
         description="ours: + first backward w.r.t. activations only",
     ),
     "ghost_fsdp_parity": ModeSpec(
         private=True,
-        engine_kwargs={"restricted_first_pass": True, "keep_unsharded": True},
+        engine_kwargs={
+            "restricted_first_pass": True,
+            "keep_unsharded": True,
+            "one_backward": False,
+        },
         description="ours: both (the non-private step's collectives)",
+    ),
+    "ghost_fsdp_one_backward": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": True, "one_backward": True},
+        description="ours (default): one backward, clipped gradients from the first pass",
     ),
 }
 

@@ -1,0 +1,96 @@
+"""Clipped gradients from the first pass and their hand-off, instead of a second backward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from . import weight_grads as wg
+
+logger = logging.getLogger(__name__)
+
+
+class OneBackwardUnavailable(RuntimeError):
+    """This model or API cannot take the one-backward path (the two-pass step runs instead)."""
+
+
+def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, str], tuple]:
+    """Clipped weight gradients of every kept layer.
+
+    Args:
+        kept: ``(module, inputs, grad_out)`` per layer, as the first pass left them (``grad_out``
+            the raw gradient of the reduced loss w.r.t. the layer's output, batch first).
+        coef: Per-sample clipping coefficients ``(N,)``.
+        loss_reduction: ``"mean"`` or ``"sum"``.
+        type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
+
+    Returns:
+        ``{(id(module), name): (module, name, gradient)}``; the caller sums shared weights.
+
+    Raises:
+        OneBackwardUnavailable: for a layer without a direct formula whose parameters are not
+            plain tensors here (the generic path needs their full values).
+    """
+    out = {}
+    for module, inputs, grad_out in kept:
+        n = grad_out.shape[0]
+        scale = coef.to(device=grad_out.device, dtype=torch.float32)
+        if loss_reduction == "mean":
+            scale = scale * n
+        shape = (n,) + (1,) * (grad_out.dim() - 1)
+        scaled = (grad_out.float() * scale.view(shape)).to(grad_out.dtype)
+        formula = wg.direct_formula(module, type_of(module))
+        if formula is not None:
+            grads = formula(module, inputs, scaled)
+        else:
+            params = dict(module.named_parameters(recurse=False))
+            if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):
+                raise OneBackwardUnavailable(
+                    f"{type(module).__name__} has no direct clipped-gradient formula and its "
+                    "parameters are sharded here"
+                )
+            grads = wg.generic(module, inputs, scaled, params)
+        for name, g in grads.items():
+            p = getattr(module, name, None)
+            if p is not None and p.requires_grad:
+                out[(id(module), name)] = (module, name, g)
+    return out
+
+
+def by_parameter(grads: dict) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+    """Sums the gradients of each parameter over its uses (tied weights): ``{id: (p, grad)}``."""
+    total: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    for module, name, g in grads.values():
+        p = getattr(module, name)
+        if id(p) in total:
+            total[id(p)] = (p, total[id(p)][1] + g)
+        else:
+            total[id(p)] = (p, g)
+    return total
+
+
+def hand_to_single_device(grads: dict) -> None:
+    """Sets ``p.grad`` (adding to what is there, as autograd would)."""
+    for p, g in by_parameter(grads).values():
+        g = g.to(p.dtype)
+        p.grad = g if p.grad is None else p.grad + g
+
+
+def make_handoff(api: str | None, modules: list[nn.Module]):
+    """The function that delivers clipped gradients for an API, or None where unsupported."""
+    if api is None:
+        return hand_to_single_device
+    if api == "fsdp2":
+        from ..distributed import _fsdp2_internals as internals
+
+        return lambda grads: internals.reduce_clipped_gradients(modules, by_parameter(grads))
+    return None
+
+
+def unsupported_layers(hooked: list[nn.Module], type_of, api: str | None) -> list[str]:
+    """Names of hooked layer types with no direct formula where the generic path cannot run."""
+    if api is None:
+        return []
+    return sorted({type_of(m).__name__ for m in hooked if wg.direct_formula(m, type_of(m)) is None})
