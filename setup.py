@@ -19,4 +19,7 @@ setup(
         "plot": ["matplotlib"],
         "dev": ["pytest>=7", "pytest-timeout", "ruff", "transformers>=4.45", "matplotlib"],
     },
+    entry_points={
+        "console_scripts": ["opacus-fsdp-sync-compare=opacus_fsdp_sync.compare:main"],
+    },
 )

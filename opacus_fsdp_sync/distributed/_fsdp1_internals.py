@@ -74,3 +74,67 @@ def uses_orig_params(root: nn.Module) -> bool:
                 raise _fail("FullyShardedDataParallel._use_orig_params")
             flags.append(bool(m._use_orig_params))
     return all(flags)
+
+
+# --- Gradient access (opacus_fsdp_sync.grad_access) ---------------------------------------
+
+
+def handles(model: nn.Module) -> list:
+    """The FSDP1 ``FlatParamHandle`` of every ``FullyShardedDataParallel`` under ``model``.
+
+    Raises:
+        FSDPInternalsError: if an instance has no ``_handle`` or a handle no ``flat_param``.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    handles = []
+    for state in FSDP.fsdp_modules(model):
+        if not hasattr(state, "_handle"):
+            raise _fail("FullyShardedDataParallel._handle")
+        handle = state._handle
+        if handle is None:
+            continue
+        if not hasattr(handle, "flat_param") or not hasattr(handle, "_use_unsharded_grad_views"):
+            raise _fail("FlatParamHandle.flat_param / _use_unsharded_grad_views")
+        handles.append(handle)
+    return handles
+
+
+def orig_params(handle) -> list[nn.Parameter]:
+    """The original parameters (``use_orig_params=True``) viewing one handle's flat parameter."""
+    flat = handle.flat_param
+    params = getattr(flat, "_params", None)
+    if params is None:
+        raise _fail("FlatParameter._params (FSDP1 needs use_orig_params=True)")
+    return list(params) + list(getattr(flat, "_shared_params", None) or [])
+
+
+def unsharded_numel(handle) -> int:
+    """Number of elements of a handle's unpadded unsharded flat parameter."""
+    size = getattr(handle.flat_param, "_unpadded_unsharded_size", None)
+    if size is None:
+        raise _fail("FlatParameter._unpadded_unsharded_size")
+    return size.numel()
+
+
+def take_flat_grad(handle) -> torch.Tensor | None:
+    """Detaches and returns a handle's flat gradient; clears it and its parameters' views."""
+    flat = handle.flat_param
+    grad, flat.grad = flat.grad, None
+    for param in orig_params(handle):
+        param.grad = None
+    return grad
+
+
+def put_flat_grad(handle, grad: torch.Tensor | None) -> None:
+    """Sets an unsharded flat gradient (or None) and points the parameters' grads into it.
+
+    FSDP1 itself assigns unsharded gradients to a sharded flat parameter through ``.data``
+    (the ``.grad`` setter refuses the size mismatch); this does the same.
+    """
+    flat = handle.flat_param
+    flat.grad = None
+    if grad is not None:
+        flat.grad = torch.empty_like(flat)
+        flat.grad.data = grad
+    handle._use_unsharded_grad_views()

@@ -172,3 +172,70 @@ def unsharded_bytes(modules: list[nn.Module]) -> int:
             dtype = getattr(fp, "param_dtype", None) or fp.sharded_param.dtype
             total += size.numel() * torch.empty((), dtype=dtype).element_size()
     return total
+
+
+# --- Gradient access (opacus_fsdp_sync.grad_access), checked on torch 2.13.0 -----------------
+
+
+def param_location(fsdp_param) -> tuple[nn.Module, str]:
+    """The module and attribute name under which an ``FSDPParam`` is registered.
+
+    Raises:
+        FSDPInternalsError: if ``FSDPParam._module_info`` lacks ``module`` / ``param_name``.
+    """
+    info = getattr(fsdp_param, "_module_info", None)
+    module = getattr(info, "module", None)
+    name = getattr(info, "param_name", None)
+    if module is None or name is None:
+        raise _fail("FSDPParam._module_info.module / .param_name")
+    return module, name
+
+
+# --- One-backward hand-off (opacus_fsdp_sync.one_backward), checked on torch 2.13.0 -----------
+
+
+def reduce_clipped_gradients(modules: list[nn.Module], grads: dict) -> None:
+    """Hands full clipped gradients to FSDP2's own reduce-scatter, as a normal backward would.
+
+    Sets each parameter's unsharded gradient, runs every group's ``post_backward()`` (reduce
+    dtype, averaging, padding and resharding exactly as in a backward), then each root's final
+    callback, so every group ends sharded and idle with its sharded ``.grad`` set.
+
+    Args:
+        modules: The outermost FSDP2 modules.
+        grads: ``{id(param): (param, full gradient)}``, ``param`` as registered on its module now
+            (sharded or unsharded).
+
+    Raises:
+        FSDPInternalsError: for a parameter FSDP2 does not manage, or missing internals.
+    """
+    groups = list(iter_param_groups(modules))
+    index = {}
+    for group in groups:
+        for fp in fsdp_params(group):
+            index[id(fp.sharded_param)] = fp
+            up = unsharded_param(fp)
+            if up is not None:
+                index[id(up)] = fp
+    for pid, (param, grad) in grads.items():
+        fp = index.get(pid)
+        if fp is None:
+            raise FSDPInternalsError(
+                f"a parameter of shape {tuple(param.shape)} that received a clipped gradient is "
+                "not managed by FSDP2; shard every trainable parameter or pass "
+                "one_backward=False to PrivacyEngine."
+            )
+        up = unsharded_param(fp)
+        if up is None or tuple(up.shape) != tuple(grad.shape):
+            raise _fail("FSDPParam._unsharded_param of the gradient's shape")
+        up.grad = grad.to(up.dtype)
+    for group in reversed(groups):
+        if not hasattr(group, "post_backward"):
+            raise _fail("FSDPParamGroup.post_backward")
+        group.post_backward()
+    for module in modules:
+        state = module._get_fsdp_state()
+        if getattr(state, "_is_root", False):
+            if not hasattr(state, "_root_post_backward_final_callback"):
+                raise _fail("FSDPState._root_post_backward_final_callback")
+            state._root_post_backward_final_callback()
