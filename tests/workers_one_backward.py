@@ -1,0 +1,106 @@
+"""Rank functions for the one-backward step under FSDP2: noise and the generic-layer fallback."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.models import ToyNet, toy_sample_loss
+from tests.workers_core import B_LOCAL, LR, _data, _full_params, _max_diff, _shard
+
+warnings.filterwarnings("ignore")
+
+
+class Scale(nn.Module):
+    """A layer Opacus has no sampler for (norms via functorch) and we have no formula for."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ScaledToy(ToyNet):
+    def __init__(self):
+        super().__init__()
+        self.scale = Scale(32)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.scale(x))
+
+
+def _steps(engine, base, x, y, rank, world, C, noise, seed, steps=2):
+    model = _shard(copy.deepcopy(base), world, "fp32")
+    b = B_LOCAL * world
+    gsm, opt, crit, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
+        noise_multiplier=noise,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode="ghost_fsdp",
+        noise_generator=torch.Generator().manual_seed(seed),
+    )
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    for s in range(steps):
+        xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
+        crit(gsm(xs[lo:hi]), ys[lo:hi]).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full_params(model), engine.one_backward
+
+
+def one_backward_fsdp2(rank: int, world: int) -> dict:
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("opacus_fsdp_sync").setLevel(logging.INFO)
+    logging.getLogger("opacus_fsdp_sync").addHandler(_Keep())
+    torch.manual_seed(0)
+    x, y = _data(world, 2)
+    b = B_LOCAL * world
+    out = {}
+    # Noise on, same generator seed: one backward gives the two-pass step.
+    base = ToyNet()
+    one, used = _steps(PrivacyEngine(), base, x, y, rank, world, 1.0, 1.0, 7)
+    two, _ = _steps(PrivacyEngine(one_backward=False), base, x, y, rank, world, 1.0, 1.0, 7)
+    out.update(
+        noisy_one_vs_two=_max_diff(one, two),
+        used_one=used,
+        noise_moved=_max_diff(one, {n: p.float() for n, p in _full_params(base).items()}),
+    )
+    # A layer without a direct formula: FSDP2 falls back to two passes (logged), exact.
+    torch.manual_seed(0)
+    base = ScaledToy()
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), toy_sample_loss, x[:b], y[:b], 1.0)
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    for s in range(2):
+        clip_each_sample_step(
+            ref, toy_sample_loss, x[s * b : (s + 1) * b], y[s * b : (s + 1) * b], C, LR
+        )
+    got, used = _steps(PrivacyEngine(), base, x, y, rank, world, C, 0.0, 1)
+    out.update(
+        generic_vs_loop=_max_diff(got, {n: p.detach() for n, p in ref.named_parameters()}),
+        generic_used_one=used,
+        clipped=int((norms > C).sum()),
+        n=len(norms),
+        records=[r for r in records if r.startswith("[Ghost] step:")],
+    )
+    return out
