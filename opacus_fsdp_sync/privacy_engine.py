@@ -141,10 +141,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
                     and opts.restricted_first_pass
                     and not self.secure_mode
                 )
+                self._fsdp2_noise = (
+                    root.api == FSDP2
+                    and kwargs["grad_sample_mode"] == "ghost_fsdp"
+                    and opts.sync_optimization
+                    and not self.secure_mode
+                )
             try:
                 return super().make_private(**kwargs)
             finally:
                 self._swap_ddp_optimizer = False
+                self._fsdp2_noise = False
                 self._fsdp1_call = None
 
     def make_private_with_epsilon(self, **kwargs):
@@ -170,18 +177,26 @@ class PrivacyEngine(opacus.PrivacyEngine):
         DDP with the restricted first pass: DDP's bucketed all-reduce in the clipped pass already
         averaged the gradients, so no second all-reduce, one noise draw shared by all ranks.
         FSDP1: per-rank batch and sharded gradients (FULL_SHARD, SHARD_GRAD_OP), or replicated
-        averaged gradients with shared noise (NO_SHARD).
+        averaged gradients with shared noise (NO_SHARD). FSDP2: noise drawn per local shard.
         """
-        from .optimizers import FSDP1DPOptimizer, SharedNoiseDPOptimizer
+        from .optimizers import (
+            FSDP1DPOptimizer,
+            ShardedNoiseFSDPOptimizer,
+            SharedNoiseDPOptimizer,
+        )
 
         fsdp1 = getattr(self, "_fsdp1_call", None)
         swap = getattr(self, "_swap_ddp_optimizer", False)
-        if (fsdp1 is None and not swap) or kwargs.get("clipping") != "flat":
+        fsdp2 = getattr(self, "_fsdp2_noise", False)
+        if (fsdp1 is None and not swap and not fsdp2) or kwargs.get("clipping") != "flat":
             return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         inner = getattr(optimizer, "original_optimizer", optimizer)
         generator = self.secure_rng if self.secure_mode else kwargs.get("noise_generator")
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
+        if fsdp2:
+            logger.info("[Ghost] FSDP2: DP optimizer drawing noise for the local shard only")
+            return ShardedNoiseFSDPOptimizer(inner, generator=generator, **kwargs)
         if fsdp1 is not None:
             kwargs["expected_batch_size"] /= torch.distributed.get_world_size()
         if fsdp1 is not None and "NO_SHARD" not in fsdp1:

@@ -1,6 +1,7 @@
 """DP optimizers our engine swaps in where the distributed API already reduced gradients."""
 
 from .fsdp1 import FSDP1DPOptimizer
+from .fsdp2 import ShardedNoiseFSDPOptimizer
 from .shared_noise import SharedNoiseDPOptimizer
 
-__all__ = ["FSDP1DPOptimizer", "SharedNoiseDPOptimizer"]
+__all__ = ["FSDP1DPOptimizer", "SharedNoiseDPOptimizer", "ShardedNoiseFSDPOptimizer"]

@@ -1,0 +1,102 @@
+"""The DP optimizer for FSDP2: noise drawn for each rank's own shard only.
+
+Opacus's FSDP optimizer draws, on every rank, noise of each parameter's *global* shape (plus a
+global-size zeros tensor) and keeps the local slice: ``world_size`` times the Gaussian samples a
+step needs, and a full-size temporary per parameter. This optimizer draws exactly the local
+shard's noise, from a stream per shard (rank 0's seed mixed with the rank's coordinate along the
+sharded mesh dimensions): every coordinate of the global gradient gets one independent draw even
+when every rank was seeded identically, and replicas of a shard (HSDP) draw the same noise. It
+also skips the gradient copy when the step is not accumulated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
+    FSDPOptimizerFastGradientClipping,
+)
+from torch.distributed.tensor import DTensor
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
+
+
+def shard_coordinate(params) -> tuple[int, ...]:
+    """This rank's coordinate along the sharded (non-replicated) mesh dimensions.
+
+    Replicas of one shard (HSDP, ``no_shard``) share it, so they draw the same noise and stay
+    identical; different shards get different streams.
+    """
+    for p in params:
+        if isinstance(p, DTensor):
+            coord = p.device_mesh.get_coordinate() or ()
+            return tuple(c for c, pl in zip(coord, p.placements) if not pl.is_replicate())
+    return (dist.get_rank(),)
+
+
+def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]):
+    """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate."""
+    base = torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64)
+    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    base = base.to(comm)
+    dist.broadcast(base, src=0)
+    seed = (int(base.item()) ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
+    """``FSDPOptimizerFastGradientClipping`` with shard-local noise (not for ``secure_mode``).
+
+    Raises:
+        ValueError: with ``secure_mode=True`` (keep Opacus's optimizer there).
+    """
+
+    def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
+        if secure_mode:
+            raise ValueError("ShardedNoiseFSDPOptimizer does not implement secure_mode noise")
+        super().__init__(optimizer, generator=None, secure_mode=False, **kwargs)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.generator = shard_generator(generator, device, shard_coordinate(self.params))
+
+    def accumulate(self) -> None:
+        """Like Opacus, without a copy when this step is not accumulated over several calls."""
+        keep = bool(self._check_skip_next_step(pop_next=False))
+        for p in self.params:
+            state = self.grad_state[p]
+            if state["summed_grad"] is not None:
+                state["summed_grad"].add_(p.grad.data)
+            elif keep:  # later backward passes zero p.grad in place
+                state["summed_grad"] = p.grad.detach().clone()
+            else:
+                state["summed_grad"] = p.grad.detach()
+
+    def add_noise(self) -> None:
+        """``p.grad = summed + noise`` with noise drawn for the local shard only."""
+        std = (
+            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        )
+        if self.loss_reduction == "mean":
+            std = std / self.world_size
+        for p in self.params:
+            summed = self.grad_state[p]["summed_grad"]
+            if std == 0:
+                p.grad = summed.view_as(p)
+                continue
+            local = summed.to_local() if isinstance(summed, DTensor) else summed
+            noise = torch.normal(
+                0.0,
+                std,
+                size=local.shape,
+                device=local.device,
+                dtype=local.dtype,
+                generator=self.generator,
+            )
+            if isinstance(summed, DTensor):
+                noise = DTensor.from_local(
+                    noise,
+                    summed.device_mesh,
+                    summed.placements,
+                    shape=summed.shape,
+                    stride=summed.stride(),
+                )
+            p.grad = (summed + noise).view_as(p)

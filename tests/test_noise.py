@@ -1,0 +1,35 @@
+"""FSDP2 noise: one independent N(0, (sigma C / (W b))^2) draw per coordinate; replicas equal."""
+
+import pytest
+import torch
+
+from opacus_fsdp_sync.testing import run_ranks
+from tests import workers_noise
+
+pytestmark = [pytest.mark.distributed]
+
+
+def test_full_shard_noise_is_independent_per_coordinate_with_the_right_scale():
+    r0, r1 = run_ranks(workers_noise.noise_draws, 2, "full", timeout=300)
+    assert r0["optimizer"] == "ShardedNoiseFSDPOptimizer"
+    z = r0["noise"]
+    assert torch.equal(z, r1["noise"])  # the full parameters agree on both ranks
+    n = z.numel()
+    assert n > 20000
+    assert abs(z.std().item() - 1.0) < 0.03, z.std()
+    assert abs(z.mean().item()) < 0.03
+    # Each parameter is split by rows between the two ranks: the halves must not repeat each
+    # other's draws (they would if both ranks drew from one identically seeded stream).
+    for name, t in r0["per_param"].items():
+        rows = t.shape[0] // 2
+        a, b = t[:rows].flatten(), t[rows : 2 * rows].flatten()
+        assert not torch.equal(a, b), name
+        if a.numel() >= 1000:
+            corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+            assert abs(corr) < 0.1, (name, corr)
+
+
+def test_replicas_of_a_shard_add_the_same_noise():
+    r0, r1 = run_ranks(workers_noise.noise_draws, 2, "no_shard", timeout=300)
+    assert torch.equal(r0["noise"], r1["noise"])
+    assert abs(r0["noise"].std().item() - 1.0) < 0.03
