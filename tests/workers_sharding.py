@@ -167,7 +167,7 @@ def checkpoint_load(rank: int, world: int, path: str, data_world: int) -> dict:
 
 
 def fsdp1_backend(rank: int, world: int) -> dict:
-    """FSDP1 from the same config: a non-private SGD step equals one process; ghost refused."""
+    """FSDP1 from the same config: a non-private SGD step equals one process; ghost works."""
     torch.manual_seed(0)
     base = build_llama(LlamaSpec(preset="tiny"))
     ids = _ids(world, base.config.vocab_size)
@@ -177,12 +177,14 @@ def fsdp1_backend(rank: int, world: int) -> dict:
     torch.optim.SGD(ref.parameters(), lr=LR).step()
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     out = {}
-    for strategy in ("full", "shard_grad_op", "no_shard"):
-        model = shard_model(
-            copy.deepcopy(base),
-            ShardingConfig(backend="fsdp1", strategy=strategy),
-            device=torch.device("cpu"),
-        )
+    for strategy, replicas in (
+        ("full", None),
+        ("shard_grad_op", None),
+        ("no_shard", None),
+        ("hybrid_full", world),
+    ):
+        cfg = ShardingConfig(backend="fsdp1", strategy=strategy, replicate_degree=replicas)
+        model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         x = ids[rank * B_LOCAL : (rank + 1) * B_LOCAL]
         llama_sample_loss(model, x, x).backward()

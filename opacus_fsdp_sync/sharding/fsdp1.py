@@ -35,6 +35,11 @@ def shard_fsdp1(model: nn.Module, config: ShardingConfig, device: torch.device, 
     def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         return True if recurse else id(module) in chosen
 
+    strategy = config.strategy
+    if strategy == "hybrid_full" and mesh is not None and mesh.size(-1) == 1:
+        # Shard groups of one rank: FSDP1 turns HYBRID_SHARD into NO_SHARD but keeps the
+        # one-rank group, so nothing would be all-reduced. Plain NO_SHARD is what was meant.
+        strategy, mesh = "no_shard", None
     param, reduce, _ = config.dtypes()
     mixed = None
     if param is not None or reduce is not None:
@@ -42,10 +47,10 @@ def shard_fsdp1(model: nn.Module, config: ShardingConfig, device: torch.device, 
     return FSDP(
         model,
         auto_wrap_policy=policy,
-        sharding_strategy=getattr(ShardingStrategy, _STRATEGY[config.strategy]),
+        sharding_strategy=getattr(ShardingStrategy, _STRATEGY[strategy]),
         mixed_precision=mixed,
         cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None,
         device_id=device,
         use_orig_params=True,
-        device_mesh=mesh if config.strategy == "hybrid_full" else None,
+        device_mesh=mesh if strategy == "hybrid_full" else None,
     )
