@@ -31,3 +31,10 @@ def test_ddp_one_all_reduce_per_step_and_exact(world):
                 assert _count(ours, "all_reduce", "first_backward") == 0
                 assert _count(ours, "all_reduce") == 1  # DDP's one bucket, in the clipped pass
                 assert _count(up, "all_reduce") > _count(ours, "all_reduce")
+
+
+def test_ddp_tied_llama_equals_loop():
+    for res in run_ranks(workers_ddp.ddp_tied_llama, 2, timeout=300):
+        assert 0 < res["clipped"] < res["n"]
+        assert res["opt"] == "SharedNoiseDPOptimizer"
+        assert res["vs_loop"] <= 1e-5

@@ -129,3 +129,50 @@ def ddp_exactness(rank: int, world: int) -> dict:
     )
     out.update(dpddp_vs_loop=_max_diff(dp, ref_params), dpddp_opt=dp_name)
     return out
+
+
+def ddp_tied_llama(rank: int, world: int) -> dict:
+    """A tied tiny Llama under DDP with our engine equals the clip-each-sample loop."""
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from tests.workers_tied import llama_sample_loss
+
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=True))
+    b = B_LOCAL * world
+    ids = torch.randint(
+        1, base.config.vocab_size, (2 * b, 10), generator=torch.Generator().manual_seed(1)
+    )
+    _, norms = per_sample_clipped_grads(
+        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
+    )
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    for s in range(2):
+        x = ids[s * b : (s + 1) * b]
+        clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
+    model = DDP(copy.deepcopy(base))
+    gsm, opt, crit, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=b),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+    for s in range(2):
+        x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
+        logits = gsm(input_ids=x).logits[:, :-1]
+        crit(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=logits.shape[:2]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {n: p.detach() for n, p in model.module.named_parameters()}
+    return {
+        "vs_loop": _max_diff(got, {n: p.detach() for n, p in ref.named_parameters()}),
+        "clipped": int((norms > C).sum()),
+        "n": len(norms),
+        "opt": type(opt).__name__,
+    }
