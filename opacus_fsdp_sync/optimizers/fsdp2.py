@@ -70,33 +70,38 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             else:
                 state["summed_grad"] = p.grad.detach()
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
     def add_noise(self) -> None:
-        """``p.grad = summed + noise`` with noise drawn for the local shard only."""
+        """``p.grad = summed + noise``, the noise drawn for the local shards in one call.
+
+        Works on the local tensors in place (no DTensor dispatch per parameter): one Gaussian
+        draw per dtype and device for all shards together, then one ``_foreach_add_``.
+        """
         std = (
             getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         )
         if self.loss_reduction == "mean":
             std = std / self.world_size
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for p in self.params:
             summed = self.grad_state[p]["summed_grad"]
-            if std == 0:
-                p.grad = summed.view_as(p)
-                continue
-            local = summed.to_local() if isinstance(summed, DTensor) else summed
-            noise = torch.normal(
-                0.0,
-                std,
-                size=local.shape,
-                device=local.device,
-                dtype=local.dtype,
-                generator=self.generator,
-            )
-            if isinstance(summed, DTensor):
-                noise = DTensor.from_local(
-                    noise,
-                    summed.device_mesh,
-                    summed.placements,
-                    shape=summed.shape,
-                    stride=summed.stride(),
-                )
-            p.grad = (summed + noise).view_as(p)
+            p.grad = summed if summed.shape == p.shape else summed.view_as(p)
+            local = self._local(p.grad)
+            groups.setdefault((local.dtype, local.device), []).append(local)
+        if std == 0:
+            return
+        for (dtype, device), locals_ in groups.items():
+            flat = torch.empty(sum(t.numel() for t in locals_), dtype=dtype, device=device)
+            flat.normal_(0.0, std, generator=self.generator)
+            noises = [
+                n.view_as(t) for n, t in zip(flat.split([t.numel() for t in locals_]), locals_)
+            ]
+            torch._foreach_add_(locals_, noises)
+
+    def scale_grad(self) -> None:
+        """Divides every local gradient shard by the expected batch size, in one foreach op."""
+        if self.loss_reduction == "mean":
+            locals_ = [self._local(p.grad) for p in self.params]
+            torch._foreach_div_(locals_, self.expected_batch_size * self.accumulated_iterations)
