@@ -21,6 +21,7 @@ from .profiling.phases import phase
 from .profiling.timers import StepTimer
 
 logger = logging.getLogger(__name__)
+logger_ghost = logging.getLogger("opacus_fsdp_sync")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class GhostStepContext:
     handoff: object = None
     """With the restricted first pass: delivers clipped gradients computed from it (one
     backward per step); None runs the second backward."""
+    kept_bytes: int = 0
+    """One backward: bytes of layer inputs and output gradients held from the first pass until
+    the gradient phase, in the last step."""
 
 
 def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
@@ -171,6 +175,19 @@ class SyncDPTensor(DPTensorFastGradientClipping):
 
         timer = self.context.timer
         kept = self.module.take_kept()
+        held = {
+            id(t): t.numel() * t.element_size()
+            for _, inputs, grad in kept
+            for t in [*inputs, grad]
+            if isinstance(t, torch.Tensor)
+        }
+        if self.context.kept_bytes == 0:
+            logger_ghost.info(
+                "[Ghost] one backward holds %.1f MiB of layer inputs and output gradients "
+                "between the first pass and the gradient phase",
+                sum(held.values()) / 2**20,
+            )
+        self.context.kept_bytes = sum(held.values())
         type_of = getattr(self.module, "_get_module_type", type)
         try:
             with phase("weight_grads"), timer.phase("weight_grads"):

@@ -317,6 +317,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return handoff
 
     @property
+    def last_step_kept_bytes(self) -> int:
+        """One backward: bytes held from the first pass to the gradient phase in the last step."""
+        return 0 if self._context is None else self._context.kept_bytes
+
+    @property
     def last_step_timings(self) -> dict[str, float]:
         """Milliseconds per phase of the last step of the last model made private (if timed)."""
         return {} if self._context is None else self._context.timer.last_step

@@ -57,6 +57,9 @@ def test_generic_layer_on_one_device_is_exact(data):
     engine = PrivacyEngine()
     got = _run(engine, base, x, y, C)
     assert engine.one_backward  # the generic path ran, no fallback on one device
+    # 7 hooked layers (3 Linear 16/32->32, 2 LayerNorm, Scale, head 32->8), batch 8, fp32:
+    # inputs 16 + 6 x 32 and output gradients 6 x 32 + 8 values per sample
+    assert engine.last_step_kept_bytes == 8 * 4 * ((16 + 6 * 32) + (6 * 32 + 8))
     ref = copy.deepcopy(base)
     for s in range(2):
         clip_each_sample_step(

@@ -257,6 +257,7 @@ def run(cfg: ExperimentConfig) -> dict:
         "tokens_per_s": cfg.batch_size * cfg.seq_length * world / median_s,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
+        "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
         "losses": losses,
         "status": "ok",
     }
