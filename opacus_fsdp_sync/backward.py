@@ -113,7 +113,11 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         return self._adopt(super().__neg__())
 
     def backward(self) -> None:
-        """Runs both passes; gradient sync and Opacus hooks are restored even on error.
+        """Runs the private step's backward: the norm-only first pass, then the clipped gradients.
+
+        The clipped gradients come from a second backward, or, with the one-backward hand-off,
+        straight from what the first pass kept. Gradient sync, FSDP state and Opacus hooks are
+        restored even on error.
 
         Raises:
             ValueError: for a loss reduction other than ``"mean"`` or ``"sum"``.
@@ -125,6 +129,9 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         sources = self.module.take_first_pass_sources() if tracking else []
         restricted = self.context.restricted_first_pass and bool(sources)
         if getattr(controller, "requires_restricted", False) and not restricted:
+            reset_opacus_step_state(self.module)
+            if tracking:
+                self.module.forget_pass()
             raise RuntimeError(
                 f"opacus_fsdp_sync: this {controller.api} step found no first-pass source (no "
                 "hooked layer whose inputs need no gradient), and the sync-skipping step for this "
