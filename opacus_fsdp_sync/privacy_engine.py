@@ -34,6 +34,16 @@ def _first_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclasses.dataclass
+class _CallPlan:
+    """What one ``make_private`` call decided from the model before Opacus wrapped it."""
+
+    optimizer: str | None = None
+    """None (Opacus's), ``"shared_noise"``, ``"fsdp1"`` or ``"fsdp2"``."""
+    fsdp1: bool = False
+    """The model is FSDP1, which Opacus does not count as distributed."""
+
+
 class PrivacyEngine(opacus.PrivacyEngine):
     """``opacus.PrivacyEngine`` whose ghost clipping skips the first backward's waste.
 
@@ -60,6 +70,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.sync_api: str | None = None
         self.keep_unsharded: bool = False
         self.one_backward: bool = False
+        self._plan = _CallPlan()
 
     @property
     def sync_optimization(self) -> bool:
@@ -124,35 +135,34 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
-            self._swap_ddp_optimizer = False
-            self._fsdp1_call: set[str] | None = None
-            if kwargs.get("grad_sample_mode") in _GHOST_MODES and "module" in kwargs:
-                root = get_fsdp_root_module(kwargs["module"])
-                if root.api == FSDP1:
-                    make_controller(
-                        root,
-                        enabled=opts.sync_optimization,
-                        restricted=opts.restricted_first_pass,
-                    )  # raises early for what FSDP1 cannot do
-                    self._fsdp1_call = fsdp1_internals.sharding_strategies(root.modules[0])
-                self._swap_ddp_optimizer = (
-                    root.api == DDP
-                    and opts.sync_optimization
-                    and opts.restricted_first_pass
-                    and not self.secure_mode
-                )
-                self._fsdp2_noise = (
-                    root.api == FSDP2
-                    and kwargs["grad_sample_mode"] == "ghost_fsdp"
-                    and opts.sync_optimization
-                    and not self.secure_mode
-                )
+            self._plan = self._plan_call(kwargs, opts)
             try:
                 return super().make_private(**kwargs)
             finally:
-                self._swap_ddp_optimizer = False
-                self._fsdp2_noise = False
-                self._fsdp1_call = None
+                self._plan = _CallPlan()
+
+    def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
+        """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
+        if kwargs.get("grad_sample_mode") not in _GHOST_MODES or "module" not in kwargs:
+            return _CallPlan()
+        root = get_fsdp_root_module(kwargs["module"])
+        if root.api == FSDP1:
+            # raises early for what FSDP1 cannot do
+            make_controller(
+                root, enabled=opts.sync_optimization, restricted=opts.restricted_first_pass
+            )
+            strategies = fsdp1_internals.sharding_strategies(root.modules[0])
+            if len(strategies) > 1:
+                raise UnsupportedConfigurationError(
+                    f"FSDP1 units mix sharding strategies {sorted(strategies)}; use one strategy."
+                )
+            return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1", fsdp1=True)
+        ours = opts.sync_optimization and not self.secure_mode
+        if root.api == DDP and ours and opts.restricted_first_pass:
+            return _CallPlan("shared_noise")
+        if root.api == FSDP2 and ours and kwargs["grad_sample_mode"] == "ghost_fsdp":
+            return _CallPlan("fsdp2")
+        return _CallPlan()
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
@@ -168,16 +178,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def _prepare_data_loader(self, data_loader, *, distributed, **kwargs):
         """Opacus's data loader; FSDP1 (which Opacus does not count as distributed) is."""
-        distributed = distributed or getattr(self, "_fsdp1_call", None) is not None
+        distributed = distributed or self._plan.fsdp1
         return super()._prepare_data_loader(data_loader, distributed=distributed, **kwargs)
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or ours where the distributed API already reduced gradients.
 
-        DDP with the restricted first pass: DDP's bucketed all-reduce in the clipped pass already
-        averaged the gradients, so no second all-reduce, one noise draw shared by all ranks.
-        FSDP1: per-rank batch and sharded gradients (FULL_SHARD, SHARD_GRAD_OP), or replicated
-        averaged gradients with shared noise (NO_SHARD). FSDP2: noise drawn per local shard.
+        ``shared_noise``: gradients arrive averaged (DDP's bucketed all-reduce in the clipped
+        pass, FSDP1 NO_SHARD), no second all-reduce, one noise draw shared by all ranks.
+        ``fsdp1``: per-rank batch and sharded gradients. ``fsdp2``: noise drawn per local shard.
         """
         from .optimizers import (
             FSDP1DPOptimizer,
@@ -185,33 +194,24 @@ class PrivacyEngine(opacus.PrivacyEngine):
             SharedNoiseDPOptimizer,
         )
 
-        fsdp1 = getattr(self, "_fsdp1_call", None)
-        swap = getattr(self, "_swap_ddp_optimizer", False)
-        fsdp2 = getattr(self, "_fsdp2_noise", False)
-        if (fsdp1 is None and not swap and not fsdp2) or kwargs.get("clipping") != "flat":
+        choice = self._plan.optimizer
+        if choice is None or kwargs.get("clipping") != "flat":
             return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         inner = getattr(optimizer, "original_optimizer", optimizer)
         generator = self.secure_rng if self.secure_mode else kwargs.get("noise_generator")
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
-        if fsdp2:
+        if self._plan.fsdp1:  # Opacus did not divide by the world size: not "distributed"
+            kwargs["expected_batch_size"] /= torch.distributed.get_world_size()
+        if choice == "fsdp2":
             logger.info("[Ghost] FSDP2: DP optimizer drawing noise for the local shard only")
             return ShardedNoiseFSDPOptimizer(inner, generator=generator, **kwargs)
-        if fsdp1 is not None:
-            kwargs["expected_batch_size"] /= torch.distributed.get_world_size()
-        if fsdp1 is not None and "NO_SHARD" not in fsdp1:
+        if choice == "fsdp1":
             logger.info("[Ghost] FSDP1: sharded DP optimizer, independent noise per shard")
             return FSDP1DPOptimizer(
                 inner, generator=generator, secure_mode=self.secure_mode, **kwargs
             )
-        if fsdp1 is not None and len(fsdp1) > 1:
-            raise UnsupportedConfigurationError(
-                f"FSDP1 units mix sharding strategies {sorted(fsdp1)}; use one strategy."
-            )
-        logger.info(
-            "[Ghost] %s: optimizer without all-reduce, one noise draw shared by all ranks",
-            "FSDP1 NO_SHARD" if fsdp1 else "DDP",
-        )
+        logger.info("[Ghost] optimizer without all-reduce, one noise draw shared by all ranks")
         return SharedNoiseDPOptimizer(inner, generator=generator, secure_mode=False, **kwargs)
 
     def _prepare_model(
