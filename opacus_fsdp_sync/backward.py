@@ -78,36 +78,45 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def __init__(self, module, optimizer, loss_per_sample, loss_reduction="mean", *, context=None):
         super().__init__(module, optimizer, loss_per_sample, loss_reduction)
         self.context = context if context is not None else GhostStepContext()
+        #: True once a term that may reach parameters outside the hooked layers was combined in
+        #: (e.g. ``loss + reg`` with a grad-requiring ``reg``): one backward cannot see it.
+        self.direct_terms = False
 
-    def _adopt(self, result: DPTensorFastGradientClipping) -> SyncDPTensor:
-        return SyncDPTensor(
+    def _adopt(self, result: DPTensorFastGradientClipping, other=None) -> SyncDPTensor:
+        out = SyncDPTensor(
             self.module,
             self.optimizer,
             result.loss_per_sample,
             result.loss_reduction,
             context=self.context,
         )
+        out.direct_terms = (
+            self.direct_terms
+            or getattr(other, "direct_terms", False)
+            or (isinstance(other, torch.Tensor) and other.requires_grad)
+        )
+        return out
 
     def __truediv__(self, other):
-        return self._adopt(super().__truediv__(other))
+        return self._adopt(super().__truediv__(other), other)
 
     def __mul__(self, other):
-        return self._adopt(super().__mul__(other))
+        return self._adopt(super().__mul__(other), other)
 
     def __rmul__(self, other):
-        return self._adopt(super().__rmul__(other))
+        return self._adopt(super().__rmul__(other), other)
 
     def __add__(self, other):
-        return self._adopt(super().__add__(other))
+        return self._adopt(super().__add__(other), other)
 
     def __radd__(self, other):
-        return self._adopt(super().__radd__(other))
+        return self._adopt(super().__radd__(other), other)
 
     def __sub__(self, other):
-        return self._adopt(super().__sub__(other))
+        return self._adopt(super().__sub__(other), other)
 
     def __rsub__(self, other):
-        return self._adopt(super().__rsub__(other))
+        return self._adopt(super().__rsub__(other), other)
 
     def __neg__(self):
         return self._adopt(super().__neg__())
@@ -138,7 +147,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "API relies on an activations-only first pass. For DDP pass "
                 "restricted_first_pass=False to PrivacyEngine; FSDP1 has no fallback (use FSDP2)."
             )
-        one = restricted and self.context.handoff is not None
+        one = restricted and self.context.handoff is not None and not self.direct_terms
         if one:
             self.module.keep_for_grads = True
         ok = False
@@ -163,18 +172,26 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 if tracking:
                     self.module.forget_pass()
                 self.optimizer.original_optimizer.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad()
-        coeff = self.module.get_clipping_coef()
-        if one:
-            self._deliver_clipped_gradients(coeff)
-        else:
-            second_loss = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
-            self.module.disable_hooks()
-            try:
-                with phase("second_backward"), timer.phase("second_backward"):
-                    second_loss.backward()
-            finally:
-                self.module.enable_hooks()
+        try:
+            self.optimizer.zero_grad()
+            coeff = self.module.get_clipping_coef()
+            if one:
+                self._deliver_clipped_gradients(coeff)
+            else:
+                second = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
+                self.module.disable_hooks()
+                try:
+                    with phase("second_backward"), timer.phase("second_backward"):
+                        second.backward()
+                finally:
+                    self.module.enable_hooks()
+        except BaseException:
+            controller.abort()
+            reset_opacus_step_state(self.module)
+            if tracking:
+                self.module.forget_pass()
+            self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+            raise
         timer.end_step()
 
     def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
@@ -196,17 +213,11 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             )
         self.context.kept_bytes = sum(held.values())
         type_of = getattr(self.module, "_get_module_type", type)
-        try:
-            with phase("weight_grads"), timer.phase("weight_grads"):
-                grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
-            del kept
-            with phase("reduce_scatter"), timer.phase("reduce_scatter"):
-                self.context.handoff(grads)
-        except BaseException:
-            self.context.controller.abort()
-            reset_opacus_step_state(self.module)
-            self.optimizer.original_optimizer.zero_grad(set_to_none=True)
-            raise
+        with phase("weight_grads"), timer.phase("weight_grads"):
+            grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
+        del kept
+        with phase("reduce_scatter"), timer.phase("reduce_scatter"):
+            self.context.handoff(grads)
 
 
 class SyncDPLoss(DPLossFastGradientClipping):

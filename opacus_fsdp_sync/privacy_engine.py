@@ -156,6 +156,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 raise UnsupportedConfigurationError(
                     f"FSDP1 units mix sharding strategies {sorted(strategies)}; use one strategy."
                 )
+            if "NO_SHARD" in strategies and self.secure_mode:
+                raise UnsupportedConfigurationError(
+                    "FSDP1 NO_SHARD replicas must add one shared noise draw, which secure_mode "
+                    "cannot provide here; use FULL_SHARD or SHARD_GRAD_OP, or FSDP2."
+                )
             return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1", fsdp1=True)
         ours = opts.sync_optimization and not self.secure_mode
         if root.api == DDP and ours and opts.restricted_first_pass:
@@ -295,6 +300,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not (opts.one_backward and opts.restricted_first_pass):
             why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
             logger.info("[Ghost] step: two backward passes (%s)", why)
+            return None
+        if not getattr(module, "batch_first", True):
+            logger.info("[Ghost] step: two backward passes (batch_first=False)")
             return None
         handoff = make_handoff(root.api, root.modules)
         if handoff is None:

@@ -9,15 +9,25 @@ from tests import workers_noise
 pytestmark = [pytest.mark.distributed]
 
 
-def test_full_shard_noise_is_independent_per_coordinate_with_the_right_scale():
-    r0, r1 = run_ranks(workers_noise.noise_draws, 2, "full", timeout=300)
-    assert r0["optimizer"] == "ShardedNoiseFSDPOptimizer"
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_full_shard_noise_is_independent_per_coordinate_with_the_right_scale(backend):
+    r0, r1 = run_ranks(workers_noise.noise_draws, 2, "full", backend, timeout=300)
+    assert (
+        r0["optimizer"]
+        == {"fsdp2": "ShardedNoiseFSDPOptimizer", "fsdp1": "FSDP1DPOptimizer"}[backend]
+    )
     z = r0["noise"]
     assert torch.equal(z, r1["noise"])  # the full parameters agree on both ranks
     n = z.numel()
     assert n > 20000
     assert abs(z.std().item() - 1.0) < 0.03, z.std()
     assert abs(z.mean().item()) < 0.03
+    # The two ranks' own shards must not repeat each other's draws (identically seeded ranks).
+    k = min(r0["local"].numel(), r1["local"].numel())
+    assert k > 1000
+    a, b = r0["local"][:k], r1["local"][:k]
+    assert not torch.equal(a, b)
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.1
     # Each parameter is split by rows between the two ranks: the halves must not repeat each
     # other's draws (they would if both ranks drew from one identically seeded stream).
     for name, t in r0["per_param"].items():
@@ -33,3 +43,18 @@ def test_replicas_of_a_shard_add_the_same_noise():
     r0, r1 = run_ranks(workers_noise.noise_draws, 2, "no_shard", timeout=300)
     assert torch.equal(r0["noise"], r1["noise"])
     assert abs(r0["noise"].std().item() - 1.0) < 0.03
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_sum_reduction_equals_the_loop(backend):
+    for res in run_ranks(workers_noise.sum_reduction, 2, backend, timeout=300):
+        assert res["update"] > 1e-3
+        assert res["vs_loop"] <= 1e-6
+
+
+def test_fsdp1_shards_draw_independent_noise():
+    a, b = run_ranks(workers_noise.fsdp1_local_noise, 2, timeout=300)
+    m = min(a.numel(), b.numel())
+    assert m > 1000
+    assert not torch.allclose(a[:m], b[:m])
+    assert abs(torch.corrcoef(torch.stack([a[:m], b[:m]]))[0, 1].item()) < 0.1

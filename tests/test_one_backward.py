@@ -92,3 +92,31 @@ def test_fsdp2_noise_and_generic_fallback():
             "two backward passes (no direct gradient formula for Scale under fsdp2)" in r
             for r in res["records"]
         ), res["records"]
+
+
+def test_loss_terms_outside_the_hooked_layers_fall_back_to_two_passes(data):
+    """loss + regulariser(params): one backward cannot see the regulariser, so it steps aside."""
+    x, y = data
+    torch.manual_seed(0)
+    base = w1.ScaledToy()
+
+    def run(engine):
+        model = copy.deepcopy(base)
+        gsm, opt, crit, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="ghost",
+        )
+        reg = sum(p.pow(2).sum() for p in model.parameters())
+        loss = crit(gsm(x[:8]), y[:8]) + 0.5 * reg
+        assert loss.direct_terms
+        loss.backward()
+        opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    assert _diff(run(PrivacyEngine()), run(PrivacyEngine(one_backward=False))) <= TOL

@@ -26,8 +26,10 @@ class Wide(nn.Module):
         return self.head(self.block(x))
 
 
-def _step(base, x, y, rank, world, strategy, noise):
-    cfg = ShardingConfig(strategy=strategy, wrap_policy="size_based", min_num_params=1000)
+def _step(base, x, y, rank, world, strategy, noise, backend="fsdp2"):
+    cfg = ShardingConfig(
+        strategy=strategy, wrap_policy="size_based", min_num_params=1000, backend=backend
+    )
     model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
     b = B_LOCAL * world
     gsm, opt, crit, _ = PrivacyEngine().make_private(
@@ -43,18 +45,111 @@ def _step(base, x, y, rank, world, strategy, noise):
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     crit(gsm(x[lo:hi]), y[lo:hi]).backward()
     opt.step()
-    return _full_params(model), type(opt).__name__
+    local = torch.cat(
+        [
+            (p.to_local() if hasattr(p, "to_local") else p).detach().flatten()
+            for _, p in sorted(model.named_parameters())
+        ]
+    )
+    if backend == "fsdp1":
+        from tests.workers_fsdp1 import _full
+
+        return _full(model), type(opt).__name__, local
+    return _full_params(model), type(opt).__name__, local
 
 
-def noise_draws(rank: int, world: int, strategy: str) -> dict:
+def noise_draws(rank: int, world: int, strategy: str, backend: str = "fsdp2") -> dict:
     """The noise of one step, in units of its standard deviation (sigma C / (W b))."""
     torch.manual_seed(0)  # every rank seeded identically: the dangerous case
     base = Wide()
     x, y = _data(world, 1)
     y = y % 64
-    noisy, name = _step(base, x, y, rank, world, strategy, 1.0)
-    clean, _ = _step(base, x, y, rank, world, strategy, 0.0)
+    noisy, name, noisy_local = _step(base, x, y, rank, world, strategy, 1.0, backend)
+    clean, _, clean_local = _step(base, x, y, rank, world, strategy, 0.0, backend)
     b = B_LOCAL * world
     per_param = {n: (clean[n] - noisy[n]) * b for n in sorted(clean)}
     noise = torch.cat([t.flatten() for t in per_param.values()])
-    return {"noise": noise, "per_param": per_param, "optimizer": name}
+    local = (clean_local - noisy_local) * b  # this rank's own shard of the noise
+    return {"noise": noise, "per_param": per_param, "local": local, "optimizer": name}
+
+
+def sum_reduction(rank: int, world: int, backend: str) -> dict:
+    """loss_reduction="sum" under FSDP (which averages gradients) equals the loop."""
+    from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+    from tests.models import toy_sample_loss
+
+    torch.manual_seed(0)
+    base = Wide()
+    x, y = _data(world, 1)
+    y = y % 64
+    b = B_LOCAL * world
+
+    def loss_fn(m, a, t):
+        return toy_sample_loss(m, a, t)
+
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), loss_fn, x, y, 1.0)
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    clip_each_sample_step(ref, loss_fn, x, y, C, 0.05, loss_reduction="sum")
+    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
+    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+    gsm, opt, crit, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        criterion=nn.CrossEntropyLoss(reduction="sum"),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode="ghost_fsdp",
+        loss_reduction="sum",
+    )
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    crit(gsm(x[lo:hi]), y[lo:hi]).backward()
+    opt.step()
+    if backend == "fsdp1":
+        from tests.workers_fsdp1 import _full
+
+        got = _full(model)
+    else:
+        got = _full_params(model)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    return {
+        "vs_loop": max((got[k] - want[k]).abs().max().item() for k in want),
+        "update": max(
+            (want[k] - p.detach()).abs().max().item() for k, p in base.named_parameters()
+        ),
+    }
+
+
+def _fsdp1_local_step(base, x, y, rank, world, noise):
+    cfg = ShardingConfig(
+        strategy="full", backend="fsdp1", wrap_policy="size_based", min_num_params=1000
+    )
+    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+    b = B_LOCAL * world
+    gsm, opt, crit, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
+        noise_multiplier=noise,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode="ghost_fsdp",
+    )
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    crit(gsm(x[lo:hi]), y[lo:hi]).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fsdp1_local_noise(rank: int, world: int) -> torch.Tensor:
+    """This rank's own FSDP1 shard of one step's noise, every rank seeded identically."""
+    torch.manual_seed(0)
+    base = Wide()
+    x, y = _data(world, 1)
+    y = y % 64
+    noisy = _fsdp1_local_step(base, x, y, rank, world, 1.0)
+    clean = _fsdp1_local_step(base, x, y, rank, world, 0.0)
+    return torch.cat([(clean[n] - noisy[n]).flatten() for n in clean])

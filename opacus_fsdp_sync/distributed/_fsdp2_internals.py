@@ -228,7 +228,8 @@ def reduce_clipped_gradients(modules: list[nn.Module], grads: dict) -> None:
         up = unsharded_param(fp)
         if up is None or tuple(up.shape) != tuple(grad.shape):
             raise _fail("FSDPParam._unsharded_param of the gradient's shape")
-        up.grad = grad.to(up.dtype)
+        grad = grad.to(up.dtype)
+        up.grad = grad if up.grad is None else up.grad + grad  # user's unsynced micro-batches
     for group in reversed(groups):
         if not hasattr(group, "post_backward"):
             raise _fail("FSDPParamGroup.post_backward")

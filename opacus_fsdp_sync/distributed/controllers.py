@@ -148,7 +148,18 @@ class DDPController:
         self.module = module
 
     def begin_first_pass(self) -> None:
-        """Nothing to switch: the restricted pass produces no gradient to all-reduce."""
+        """Checks DDP will all-reduce in this step (the swapped optimizer will not).
+
+        Raises:
+            UnsupportedConfigurationError: inside the user's ``ddp.no_sync()``.
+        """
+        if not getattr(self.module, "require_backward_grad_sync", True):
+            raise UnsupportedConfigurationError(
+                "DDP no_sync() gradient accumulation is not supported by the sync-skipping step "
+                "(its optimizer relies on DDP's all-reduce in every step): accumulate with "
+                "Opacus's virtual steps (optimizer.signal_skip_step / BatchMemoryManager), or "
+                "pass restricted_first_pass=False to PrivacyEngine."
+            )
 
     def end_first_pass(self) -> None:
         """Nothing to restore."""

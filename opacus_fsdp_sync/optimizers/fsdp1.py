@@ -8,13 +8,28 @@ Opacus's FSDP optimizer does for the averaged mean).
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
 
+from .fsdp2 import shard_generator
+
 
 class FSDP1DPOptimizer(FSDPOptimizerFastGradientClipping):
-    """Opacus's FSDP optimizer, skipping parameters with no local shard."""
+    """Opacus's FSDP optimizer, skipping parameters with no local shard.
+
+    Noise comes from a per-rank stream (rank 0's seed mixed with the rank), so shards never
+    repeat each other's draws even when every rank was seeded identically; with
+    ``loss_reduction="sum"`` the averaged gradient is multiplied back by the world size.
+    """
+
+    def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
+        super().__init__(optimizer, generator=generator, secure_mode=secure_mode, **kwargs)
+        if not secure_mode:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.generator = shard_generator(generator, device, (dist.get_rank(),))
 
     def _owned(self):
         return [p for p in self.params if p.grad is not None and p.numel() > 0]
@@ -39,9 +54,12 @@ class FSDP1DPOptimizer(FSDPOptimizerFastGradientClipping):
                 generator=self.generator,
                 secure_mode=self.secure_mode,
             )
+            summed = self.grad_state[p]["summed_grad"]
             if self.loss_reduction == "mean":
                 noise.div_(self.world_size)
-            p.grad = (self.grad_state[p]["summed_grad"] + noise).view_as(p)
+            else:  # FSDP averaged the gradients: the sum is world_size times that
+                summed = summed * self.world_size
+            p.grad = (summed + noise).view_as(p)
 
     def scale_grad(self) -> None:
         """Divides owned gradients by the expected batch size (mean reduction)."""

@@ -36,7 +36,14 @@ def shard_coordinate(params) -> tuple[int, ...]:
 
 def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]):
     """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate."""
-    base = torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64)
+    base = torch.randint(
+        0,
+        2**62,
+        (1,),
+        generator=generator,
+        dtype=torch.int64,
+        device=generator.device if generator is not None else "cpu",
+    ).cpu()
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
     base = base.to(comm)
     dist.broadcast(base, src=0)
@@ -90,6 +97,9 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             p.grad = summed if summed.shape == p.shape else summed.view_as(p)
             local = self._local(p.grad)
             groups.setdefault((local.dtype, local.device), []).append(local)
+        if self.loss_reduction == "sum":  # FSDP averaged the gradients: the sum is W times that
+            for locals_ in groups.values():
+                torch._foreach_mul_(locals_, float(self.world_size))
         if std == 0:
             return
         for (dtype, device), locals_ in groups.items():

@@ -10,6 +10,8 @@ with the same generator.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
@@ -92,9 +94,13 @@ def _shared_generator(generator: torch.Generator | None, device: torch.device) -
             shared.set_state(generator.get_state())
         else:
             seed = (
-                int(torch.randint(0, 2**62, (1,), generator=generator).item())
+                int(
+                    torch.randint(
+                        0, 2**62, (1,), generator=generator, device=generator.device
+                    ).item()
+                )
                 if generator is not None
-                else torch.seed()
+                else int.from_bytes(os.urandom(8), "little") % 2**62  # leaves torch's RNG alone
             )
             shared.manual_seed(seed)
     state = shared.get_state()
