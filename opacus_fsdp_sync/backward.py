@@ -162,16 +162,18 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             del sources
             if one:
                 self.module.keep_for_grads = False
-            with phase("re-enable_sync"), timer.phase("re-enable_sync"):
-                controller.end_first_pass()
-            if tracking and not restricted:
-                self.module.forget_pass()
-            if not ok:
-                controller.abort()
-                reset_opacus_step_state(self.module)
-                if tracking:
+            try:
+                with phase("re-enable_sync"), timer.phase("re-enable_sync"):
+                    controller.end_first_pass()
+            finally:
+                if tracking and not restricted:
                     self.module.forget_pass()
-                self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+                if not ok:
+                    controller.abort()
+                    reset_opacus_step_state(self.module)
+                    if tracking:
+                        self.module.forget_pass()
+                    self.optimizer.original_optimizer.zero_grad(set_to_none=True)
         try:
             self.optimizer.zero_grad()
             coeff = self.module.get_clipping_coef()

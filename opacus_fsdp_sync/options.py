@@ -40,10 +40,13 @@ class GhostOptions:
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
     def __post_init__(self) -> None:
-        if self.keep_unsharded not in KEEP_UNSHARDED:
+        if not (isinstance(self.keep_unsharded, bool) or self.keep_unsharded == "auto"):
             raise ValueError(
                 f"keep_unsharded={self.keep_unsharded!r}: choose True, False or 'auto'"
             )
+        for name in ("sync_optimization", "restricted_first_pass", "one_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
         budget = self.keep_unsharded_budget_bytes
         if budget is not None and budget < 0:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")

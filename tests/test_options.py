@@ -42,3 +42,10 @@ def test_user_choice_wins_over_budget(caplog):
     with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
         assert decide_keep_unsharded(opts, 2**30, CPU) is True
     assert "set by the user" in caplog.records[-1].getMessage()
+
+
+def test_boolean_options_are_type_checked():
+    with pytest.raises(ValueError, match="keep_unsharded=1"):
+        GhostOptions(keep_unsharded=1)
+    with pytest.raises(ValueError, match="one_backward='yes'"):
+        GhostOptions(one_backward="yes")

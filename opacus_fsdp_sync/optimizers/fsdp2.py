@@ -62,6 +62,13 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
         if secure_mode:
             raise ValueError("ShardedNoiseFSDPOptimizer does not implement secure_mode noise")
         super().__init__(optimizer, generator=None, secure_mode=False, **kwargs)
+        plain = [tuple(p.shape) for p in self.params if not isinstance(p, DTensor)]
+        if plain and dist.get_world_size() > 1:
+            raise ValueError(
+                f"{len(plain)} trainable parameter(s) (shapes {plain[:3]}) are not managed by "
+                "FSDP2; each rank would add its own noise and the replicas would drift apart. "
+                "Shard every trainable parameter (fully_shard on the root) or freeze them."
+            )
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(generator, device, shard_coordinate(self.params))
 
