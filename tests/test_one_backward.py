@@ -120,3 +120,11 @@ def test_loss_terms_outside_the_hooked_layers_fall_back_to_two_passes(data):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     assert _diff(run(PrivacyEngine()), run(PrivacyEngine(one_backward=False))) <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype, tol", [("fp32", TOL), ("bf16", 1e-3)])
+def test_fsdp2_user_accumulation_without_sync_is_kept(dtype, tol):
+    for res in run_ranks(w1.unsynced_microbatch_then_synced, 2, dtype, timeout=300):
+        assert res["moved"] > 1e-3
+        assert res["one_vs_two"] <= tol
