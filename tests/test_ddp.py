@@ -38,3 +38,9 @@ def test_ddp_tied_llama_equals_loop():
         assert 0 < res["clipped"] < res["n"]
         assert res["opt"] == "SharedNoiseDPOptimizer"
         assert res["vs_loop"] <= 1e-5
+
+
+def test_user_no_sync_is_refused_with_the_way_out():
+    for msg in run_ranks(workers_ddp.ddp_no_sync_refused, 2, timeout=300):
+        assert msg.startswith("UnsupportedConfigurationError: DDP no_sync()")
+        assert "signal_skip_step" in msg

@@ -176,3 +176,27 @@ def ddp_tied_llama(rank: int, world: int) -> dict:
         "n": len(norms),
         "opt": type(opt).__name__,
     }
+
+
+def ddp_no_sync_refused(rank: int, world: int) -> str:
+    """The user's no_sync() accumulation is refused (the swapped optimizer would not reduce)."""
+    torch.manual_seed(0)
+    x, y = _token_data(world, 1)
+    model = DDP(EmbedNet())
+    gsm, opt, crit, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B_LOCAL * world),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    try:
+        with model.no_sync():
+            crit(gsm(x[lo:hi]), y[lo:hi]).backward()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return "no error"
