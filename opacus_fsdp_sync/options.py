@@ -9,7 +9,6 @@ import torch
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
-KEEP_UNSHARDED = (True, False, "auto")
 
 
 @dataclass(kw_only=True)

@@ -5,13 +5,12 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads, run_ranks
 from tests import workers_one_backward as w1
 from tests.models import toy_sample_loss
+from tests.private import make_private
 
 warnings.filterwarnings("ignore")
 TOL = 1e-6
@@ -19,16 +18,9 @@ TOL = 1e-6
 
 def _run(engine, base, x, y, C, noise=0.0, seed=0, steps=2):
     model = copy.deepcopy(base)
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=noise,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-        noise_generator=torch.Generator().manual_seed(seed),
+    gen = torch.Generator().manual_seed(seed)
+    gsm, opt, crit, _ = make_private(
+        engine, model, (x, y), 8, C, "ghost", noise=noise, noise_generator=gen
     )
     for s in range(steps):
         crit(gsm(x[s * 8 : (s + 1) * 8]), y[s * 8 : (s + 1) * 8]).backward()
@@ -102,16 +94,7 @@ def test_loss_terms_outside_the_hooked_layers_fall_back_to_two_passes(data):
 
     def run(engine):
         model = copy.deepcopy(base)
-        gsm, opt, crit, _ = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-            noise_multiplier=0.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-            grad_sample_mode="ghost",
-        )
+        gsm, opt, crit, _ = make_private(engine, model, (x, y), 8, 1.0, "ghost")
         reg = sum(p.pow(2).sum() for p in model.parameters())
         loss = crit(gsm(x[:8]), y[:8]) + 0.5 * reg
         assert loss.direct_terms

@@ -14,6 +14,7 @@ from opacus_fsdp_sync import PrivacyEngine, SyncDPTensor
 from opacus_fsdp_sync.profiling import StepTimer
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, toy_sample_loss
+from tests.private import make_private
 
 warnings.filterwarnings("ignore")
 B = 8
@@ -33,18 +34,7 @@ def setup():
 
 def _train(engine, base, x, y, C, steps=2, combine=None, **kw):
     model = copy.deepcopy(base)
-    loader = DataLoader(TensorDataset(x, y), batch_size=B)
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=loader,
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-        **kw,
-    )
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost", **kw)
     forward = gsm if kw.get("wrap_model", True) else model  # hooks object is not callable
     losses = []
     for s in range(steps):
@@ -156,16 +146,7 @@ def test_make_private_with_epsilon(setup):
 def test_unsupported_reduction_is_refused(setup):
     base, x, y, C = setup
     model = copy.deepcopy(base)
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-    )
+    gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (x, y), B, C, "ghost", lr=0.1)
     loss = crit(gsm(x[:B]), y[:B])
     loss.loss_reduction = "max"
     with pytest.raises(ValueError, match="Only 'sum' and 'mean'"):

@@ -11,29 +11,20 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import per_sample_clipped_grads, run_ranks
 from opacus_fsdp_sync.tied import UnsupportedTiedParameterError, find_shared_parameters
 from tests import workers_tied
+from tests.private import lm_loss, make_private
 
 warnings.filterwarnings("ignore")
 TOL = 1e-5
 
 
 def _private(model, x, y, C, batch):
-    return PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-    )
+    return make_private(PrivacyEngine(), model, (x, y), batch, C, "ghost", lr=0.1)
 
 
 @pytest.mark.distributed
@@ -146,8 +137,7 @@ def test_tied_norm_allocates_nothing_vocab_by_hidden_per_sample():
     ids = torch.randint(1, V, (N, T))
     gsm, opt, crit, _ = _private(model, ids, ids, 1.0, N)
     assert type(gsm).__name__ == "GhostGradSampleModule"
-    logits = gsm(input_ids=ids).logits[:, :-1]
-    loss = crit(logits.reshape(-1, V), ids[:, 1:].reshape(-1), shape=logits.shape[:2])
+    loss = lm_loss(gsm, crit, ids)
     probe = _LargestTensor()
     with probe:
         loss.backward()

@@ -13,13 +13,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.distributed import _fsdp2_internals as internals
 from opacus_fsdp_sync.profiling import PhaseFlopCounter
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, Tripwire, toy_sample_loss
+from tests.private import lm_loss, make_private
 
 warnings.filterwarnings("ignore")
 LR = 0.5
@@ -71,18 +71,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _make_private(engine, model, x, y, world, C, mode, **kw):
     """Opacus's expected batch is the loader's batch divided by the world size (1 here when
     ``mode`` is single-process ``ghost``, whose loader batch is the global batch)."""
-    loader = DataLoader(TensorDataset(x, y), batch_size=B_LOCAL * world)
-    return engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=loader,
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode=mode,
-        **kw,
-    )
+    return make_private(engine, model, (x, y), B_LOCAL * world, C, mode, lr=LR, **kw)
 
 
 def _groups_state(model):
@@ -295,23 +284,14 @@ def tiny_llama_trains(rank: int, world: int, steps: int = 6) -> dict:
     seq, vocab = 16, model.config.vocab_size
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(1, vocab, (B_LOCAL, seq), generator=g)
-    loader = DataLoader(TensorDataset(ids), batch_size=B_LOCAL * world)
     engine = PrivacyEngine(timing=True)
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=loader,
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
+    adam = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gsm, opt, crit, _ = make_private(
+        engine, model, (ids,), B_LOCAL * world, 1.0, "ghost_fsdp", optimizer=adam
     )
     losses = []
     for _ in range(steps):
-        logits = gsm(input_ids=ids).logits[:, :-1]
-        targets = ids[:, 1:]
-        loss = crit(logits.reshape(-1, vocab), targets.reshape(-1), shape=logits.shape[:2])
+        loss = lm_loss(gsm, crit, ids)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -10,11 +10,11 @@ import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import toy_sample_loss
+from tests.private import lm_loss, make_private
 from tests.workers_core import B_LOCAL, LR, _max_diff
 
 warnings.filterwarnings("ignore")
@@ -43,16 +43,8 @@ def _train(engine, model, x, y, rank, world, C, steps, noise, seed, local=True, 
     if wrap is not None:
         model = wrap(model)
     gen = torch.Generator().manual_seed(seed)
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
-        noise_multiplier=noise,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-        noise_generator=gen,
+    gsm, opt, crit, _ = make_private(
+        engine, model, (x, y), b, C, "ghost", noise=noise, lr=LR, noise_generator=gen
     )
     counts = []
     for s in range(steps):
@@ -151,22 +143,10 @@ def ddp_tied_llama(rank: int, world: int) -> dict:
         x = ids[s * b : (s + 1) * b]
         clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
     model = DDP(copy.deepcopy(base))
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=b),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-    )
+    gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost", lr=LR)
     for s in range(2):
         x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
-        logits = gsm(input_ids=x).logits[:, :-1]
-        crit(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=logits.shape[:2]
-        ).backward()
+        lm_loss(gsm, crit, x).backward()
         opt.step()
         opt.zero_grad()
     got = {n: p.detach() for n, p in model.module.named_parameters()}
@@ -183,15 +163,8 @@ def ddp_no_sync_refused(rank: int, world: int) -> str:
     torch.manual_seed(0)
     x, y = _token_data(world, 1)
     model = DDP(EmbedNet())
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=B_LOCAL * world),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (x, y), B_LOCAL * world, 1.0, "ghost", lr=LR
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     try:

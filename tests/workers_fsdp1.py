@@ -6,14 +6,13 @@ import copy
 import warnings
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import make_private
 from tests.workers_tied import llama_sample_loss
 
 warnings.filterwarnings("ignore")
@@ -60,15 +59,8 @@ def fsdp1_exactness(
     for strategy in strategies:
         cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)
         model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-        gsm, opt, crit, _ = PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=DataLoader(TensorDataset(ids), batch_size=b),
-            noise_multiplier=noise,
-            max_grad_norm=C,
-            poisson_sampling=False,
-            grad_sample_mode="ghost_fsdp",
+        gsm, opt, crit, _ = make_private(
+            PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", noise=noise, lr=LR
         )
         counts = []
         for s in range(steps):
@@ -116,16 +108,7 @@ def fsdp1_refusals(rank: int, world: int) -> dict:
                 build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu")
             )
         try:
-            PrivacyEngine(**opts).make_private(
-                module=model,
-                optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                criterion=nn.CrossEntropyLoss(),
-                data_loader=DataLoader(TensorDataset(ids), batch_size=4 * world),
-                noise_multiplier=0.0,
-                max_grad_norm=1.0,
-                poisson_sampling=False,
-                grad_sample_mode="ghost_fsdp",
-            )
+            make_private(PrivacyEngine(**opts), model, (ids,), 4 * world, 1.0, "ghost_fsdp", lr=LR)
             out[name] = "no error"
         except UnsupportedConfigurationError as err:
             out[name] = str(err)

@@ -6,11 +6,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import (
     CollectiveCounter,
@@ -20,6 +18,7 @@ from opacus_fsdp_sync import (
     phase,
 )
 from tests.models import ToyNet
+from tests.private import make_private
 
 warnings.filterwarnings("ignore")
 
@@ -40,17 +39,8 @@ def detection(rank: int, world: int) -> dict:
     mods, api = get_fsdp_root_module(blocks_only)
     out["fsdp2_blocks_only"] = (api, len(mods), all(m in list(blocks_only.blocks) for m in mods))
 
-    loader = DataLoader(TensorDataset(torch.randn(8, 16), torch.randint(0, 8, (8,))), batch_size=4)
-    gsm, *_ = PrivacyEngine().make_private(
-        module=full,
-        optimizer=torch.optim.SGD(full.parameters(), lr=0.1),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=loader,
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
-    )
+    data = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    gsm, *_ = make_private(PrivacyEngine(), full, data, 4, 1.0, "ghost_fsdp", lr=0.1)
     mods, api = get_fsdp_root_module(gsm)
     out["fsdp2_through_gsm"] = (api, mods[0] is full)
 
@@ -60,16 +50,7 @@ def detection(rank: int, world: int) -> dict:
     fsdp1 = FullyShardedDataParallel(ToyNet(), device_id=torch.device("cpu"), use_orig_params=True)
     out["fsdp1"] = get_fsdp_root_module(fsdp1).api
     try:
-        PrivacyEngine().make_private(
-            module=fsdp1,
-            optimizer=torch.optim.SGD(fsdp1.parameters(), lr=0.1),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=loader,
-            noise_multiplier=0.0,
-            max_grad_norm=1.0,
-            poisson_sampling=False,
-            grad_sample_mode="ghost_fsdp",
-        )
+        make_private(PrivacyEngine(), fsdp1, data, 4, 1.0, "ghost_fsdp", lr=0.1)
         out["fsdp1_error"] = None
     except UnsupportedConfigurationError as err:
         out["fsdp1_error"] = str(err)

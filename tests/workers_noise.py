@@ -7,10 +7,10 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
+from tests.private import make_private
 from tests.workers_core import B_LOCAL, _data, _full_params
 
 warnings.filterwarnings("ignore")
@@ -27,35 +27,34 @@ class Wide(nn.Module):
 
 
 def _step(base, x, y, rank, world, strategy, noise, backend="fsdp2"):
+    """One private SGD step (lr 1, C 1) of a sharded copy of ``base``; returns the model."""
     cfg = ShardingConfig(
         strategy=strategy, wrap_policy="size_based", min_num_params=1000, backend=backend
     )
     model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-    b = B_LOCAL * world
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
-        noise_multiplier=noise,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (x, y), B_LOCAL * world, 1.0, "ghost_fsdp", noise=noise, lr=1.0
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     crit(gsm(x[lo:hi]), y[lo:hi]).backward()
     opt.step()
-    local = torch.cat(
-        [
-            (p.to_local() if hasattr(p, "to_local") else p).detach().flatten()
-            for _, p in sorted(model.named_parameters())
-        ]
-    )
-    if backend == "fsdp1":
-        from tests.workers_fsdp1 import _full
+    return model, type(opt).__name__
 
-        return _full(model), type(opt).__name__, local
-    return _full_params(model), type(opt).__name__, local
+
+def _local(model) -> dict[str, torch.Tensor]:
+    """This rank's own shard of every parameter (FSDP2 local tensors, FSDP1 local views)."""
+    return {
+        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _full(model, backend) -> dict[str, torch.Tensor]:
+    if backend == "fsdp1":
+        from tests.workers_fsdp1 import _full as fsdp1_full
+
+        return fsdp1_full(model)
+    return _full_params(model)
 
 
 def noise_draws(rank: int, world: int, strategy: str, backend: str = "fsdp2") -> dict:
@@ -64,12 +63,14 @@ def noise_draws(rank: int, world: int, strategy: str, backend: str = "fsdp2") ->
     base = Wide()
     x, y = _data(world, 1)
     y = y % 64
-    noisy, name, noisy_local = _step(base, x, y, rank, world, strategy, 1.0, backend)
-    clean, _, clean_local = _step(base, x, y, rank, world, strategy, 0.0, backend)
     b = B_LOCAL * world
-    per_param = {n: (clean[n] - noisy[n]) * b for n in sorted(clean)}
+    noisy, name = _step(base, x, y, rank, world, strategy, 1.0, backend)
+    noisy_full, noisy_local = _full(noisy, backend), _local(noisy)
+    clean, _ = _step(base, x, y, rank, world, strategy, 0.0, backend)
+    clean_full, clean_local = _full(clean, backend), _local(clean)
+    per_param = {n: (clean_full[n] - noisy_full[n]) * b for n in sorted(clean_full)}
     noise = torch.cat([t.flatten() for t in per_param.values()])
-    local = (clean_local - noisy_local) * b  # this rank's own shard of the noise
+    local = torch.cat([(clean_local[n] - noisy_local[n]).flatten() * b for n in clean_local])
     return {"noise": noise, "per_param": per_param, "local": local, "optimizer": name}
 
 
@@ -93,26 +94,21 @@ def sum_reduction(rank: int, world: int, backend: str) -> dict:
     clip_each_sample_step(ref, loss_fn, x, y, C, 0.05, loss_reduction="sum")
     cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
     model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(),
+        model,
+        (x, y),
+        b,
+        C,
+        "ghost_fsdp",
+        lr=0.05,
         criterion=nn.CrossEntropyLoss(reduction="sum"),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
         loss_reduction="sum",
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     crit(gsm(x[lo:hi]), y[lo:hi]).backward()
     opt.step()
-    if backend == "fsdp1":
-        from tests.workers_fsdp1 import _full
-
-        got = _full(model)
-    else:
-        got = _full_params(model)
+    got = _full(model, backend)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     return {
         "vs_loop": max((got[k] - want[k]).abs().max().item() for k in want),
@@ -122,34 +118,12 @@ def sum_reduction(rank: int, world: int, backend: str) -> dict:
     }
 
 
-def _fsdp1_local_step(base, x, y, rank, world, noise):
-    cfg = ShardingConfig(
-        strategy="full", backend="fsdp1", wrap_policy="size_based", min_num_params=1000
-    )
-    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-    b = B_LOCAL * world
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
-        noise_multiplier=noise,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
-    )
-    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
-    crit(gsm(x[lo:hi]), y[lo:hi]).backward()
-    opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def fsdp1_local_noise(rank: int, world: int) -> torch.Tensor:
     """This rank's own FSDP1 shard of one step's noise, every rank seeded identically."""
     torch.manual_seed(0)
     base = Wide()
     x, y = _data(world, 1)
     y = y % 64
-    noisy = _fsdp1_local_step(base, x, y, rank, world, 1.0)
-    clean = _fsdp1_local_step(base, x, y, rank, world, 0.0)
+    noisy = _local(_step(base, x, y, rank, world, "full", 1.0, "fsdp1")[0])
+    clean = _local(_step(base, x, y, rank, world, "full", 0.0, "fsdp1")[0])
     return torch.cat([(clean[n] - noisy[n]).flatten() for n in clean])

@@ -8,11 +8,11 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, toy_sample_loss
+from tests.private import make_private
 from tests.workers_core import B_LOCAL, LR, _data, _full_params, _max_diff, _shard
 
 warnings.filterwarnings("ignore")
@@ -43,16 +43,9 @@ class ScaledToy(ToyNet):
 def _steps(engine, base, x, y, rank, world, C, noise, seed, steps=2):
     model = _shard(copy.deepcopy(base), world, "fp32")
     b = B_LOCAL * world
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
-        noise_multiplier=noise,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
-        noise_generator=torch.Generator().manual_seed(seed),
+    gen = torch.Generator().manual_seed(seed)
+    gsm, opt, crit, _ = make_private(
+        engine, model, (x, y), b, C, "ghost_fsdp", noise=noise, lr=LR, noise_generator=gen
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     for s in range(steps):

@@ -6,9 +6,7 @@ import copy
 import warnings
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
@@ -19,6 +17,7 @@ from opacus_fsdp_sync.sharding import (
     shard_model,
 )
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import lm_loss, make_private
 from tests.workers_tied import llama_sample_loss
 
 warnings.filterwarnings("ignore")
@@ -45,23 +44,11 @@ def _diff(a, b):
 
 def _private_step(model, ids, rank, world, C):
     b = B_LOCAL * world
-    gsm, opt, crit, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=b),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
-    )
+    gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", lr=LR)
     x = ids[rank * B_LOCAL : (rank + 1) * B_LOCAL]
     with CollectiveCounter() as counter:
         with phase("forward"):
-            logits = gsm(input_ids=x).logits[:, :-1]
-        loss = crit(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=logits.shape[:2]
-        )
+            loss = lm_loss(gsm, crit, x)
         loss.backward()
         with phase("optimizer_step"):
             opt.step()
@@ -100,25 +87,14 @@ def strategies_and_policies(rank: int, world: int, combos: list, tie: bool = Fal
 
 def _adam_private(model, ids, world):
     b = B_LOCAL * world
-    return PrivacyEngine().make_private(
-        module=model,
-        optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=b),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp",
-    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return make_private(PrivacyEngine(), model, (ids,), b, 1.0, "ghost_fsdp", optimizer=optimizer)
 
 
 def _adam_step(gsm, opt, crit, ids, rank, world, s):
     b = B_LOCAL * world
     x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
-    logits = gsm(input_ids=x).logits[:, :-1]
-    crit(
-        logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=logits.shape[:2]
-    ).backward()
+    lm_loss(gsm, crit, x).backward()
     opt.step()
     opt.zero_grad()
 

@@ -9,12 +9,12 @@ import opacus
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import lm_loss, make_private
 
 warnings.filterwarnings("ignore")
 LR = 0.5
@@ -32,25 +32,14 @@ def _train(engine, base, ids, rank, world, C, steps, fsdp, mixed_precision="fp32
         cfg = ShardingConfig.for_precision(mixed_precision)
         model = shard_model(model, cfg, device=torch.device("cpu"))
     b = B_LOCAL * world
-    gsm, opt, crit, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=b),
-        noise_multiplier=0.0,
-        max_grad_norm=C,
-        poisson_sampling=False,
-        grad_sample_mode="ghost_fsdp" if fsdp else "ghost",
-    )
+    mode = "ghost_fsdp" if fsdp else "ghost"
+    gsm, opt, crit, _ = make_private(engine, model, (ids,), b, C, mode, lr=LR)
     params, norms = [], []
     for s in range(steps):
         x = ids[s * b : (s + 1) * b]
         if fsdp:
             x = x[rank * B_LOCAL : (rank + 1) * B_LOCAL]
-        logits = gsm(input_ids=x).logits[:, :-1]
-        loss = crit(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), shape=logits.shape[:2]
-        )
+        loss = lm_loss(gsm, crit, x)
         loss.backward()
         norms.append(gsm.per_sample_gradient_norms.detach().float().tolist())
         opt.step()

@@ -1,0 +1,47 @@
+"""One ``make_private`` call for the test workers: fixed batches, no Poisson sampling."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_private(
+    engine,
+    model,
+    data,
+    batch,
+    C,
+    mode,
+    *,
+    noise=0.0,
+    lr=0.5,
+    optimizer=None,
+    criterion=None,
+    **kwargs,
+):
+    """``engine.make_private`` with SGD (or ``optimizer``) and a loader of ``batch`` samples.
+
+    Opacus's expected batch per rank is the loader's batch divided by the world size when the
+    model is distributed, so ``batch`` is the global batch.
+    """
+    return engine.make_private(
+        module=model,
+        optimizer=optimizer or torch.optim.SGD(model.parameters(), lr=lr),
+        criterion=criterion or nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(*data), batch_size=batch),
+        noise_multiplier=noise,
+        max_grad_norm=C,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        **kwargs,
+    )
+
+
+def lm_loss(model, criterion, ids):
+    """The private criterion's next-token loss of a causal LM on ``ids`` (per sequence)."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    return criterion(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), shape=logits.shape[:2]
+    )
