@@ -160,6 +160,8 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             ok = True
         finally:
             del sources
+            if getattr(self.module, "gram_cache", None) is not None:
+                self.module.gram_cache.clear()  # every norm of this step is computed
             if one:
                 self.module.keep_for_grads = False
             try:

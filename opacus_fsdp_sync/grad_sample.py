@@ -20,6 +20,7 @@ from torch import nn
 
 from ._torch_compat import in_backward
 from .first_pass import PassTrackingMixin
+from .linear_norm import GramCache, make_linear_norm_sampler
 from .rms_norm import rms_norm_samplers
 from .tied.grad_sample import TiedNormMixin
 
@@ -38,6 +39,19 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         # layers that own trainable parameters: remember them as they are now.
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = {id(m) for m in self._hooked}
+        #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
+        self.gram_cache: GramCache | None = None
+
+    def use_fast_norms(self) -> None:
+        """Linear ghost norms from shared input Gram matrices (see :mod:`.linear_norm`)."""
+        self.gram_cache = GramCache()
+        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache)
+
+    def forget_pass(self) -> None:
+        """Drops what a failed step recorded, the shared Gram matrices included."""
+        super().forget_pass()
+        if self.gram_cache is not None:
+            self.gram_cache.clear()
 
     def iterate_submodules(self, module: nn.Module):
         """The layers Opacus hooked, as found at wrap time (see ``__init__``)."""
@@ -54,6 +68,18 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
 
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters."""
+        if (
+            self.gram_cache is not None
+            and self.hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and forward_input
+            and isinstance(forward_input[0], torch.Tensor)
+            and issubclass(self._get_type(module), nn.Linear)
+            and getattr(getattr(module, "weight", None), "requires_grad", False)
+            and not in_backward()
+        ):
+            self.gram_cache.note_input(forward_input[0])
         if not isinstance(self, GradSampleHooksFastGradientClippingFSDP) or any(
             True for _ in module.parameters(recurse=False)
         ):

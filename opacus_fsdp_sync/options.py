@@ -35,6 +35,11 @@ class GhostOptions:
     """With the activations-only first pass: compute each layer's clipped weight gradient from it
     and hand it to the API's own reduction, instead of a second backward (one device and FSDP2;
     elsewhere, or for a layer without a direct formula under FSDP2, the two-pass step runs)."""
+    fast_norms: bool = True
+    """Linear ghost norms with each input's Gram matrix computed once for all layers reading it
+    (q/k/v, gate/up) and an fp32 elementwise contraction instead of upstream's gemv: equal to
+    upstream to fp32 rounding, not bit for bit. False keeps upstream's norm kernels (then the
+    two-pass options reproduce upstream Opacus bit for bit)."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -43,7 +48,7 @@ class GhostOptions:
             raise ValueError(
                 f"keep_unsharded={self.keep_unsharded!r}: choose True, False or 'auto'"
             )
-        for name in ("sync_optimization", "restricted_first_pass", "one_backward"):
+        for name in ("sync_optimization", "restricted_first_pass", "one_backward", "fast_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
         budget = self.keep_unsharded_budget_bytes
@@ -59,6 +64,8 @@ class GhostOptions:
             sync_optimization=False,
             restricted_first_pass=False,
             keep_unsharded=False,
+            one_backward=False,
+            fast_norms=False,
             timing=self.timing,
         )
 

@@ -59,7 +59,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         secure_mode: As in Opacus.
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
-            ``keep_unsharded_budget_bytes``, ``timing``).
+            ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``timing``).
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
@@ -106,6 +106,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         keep_unsharded: bool | str | None = None,
         keep_unsharded_budget_bytes: int | None = None,
         one_backward: bool | None = None,
+        fast_norms: bool | None = None,
         **kwargs,
     ):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
@@ -117,6 +118,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded: Likewise.
             keep_unsharded_budget_bytes: Likewise.
             one_backward: Likewise.
+            fast_norms: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
 
         Returns:
@@ -132,6 +134,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded=keep_unsharded,
             keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
             one_backward=one_backward,
+            fast_norms=fast_norms,
         )
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
@@ -291,6 +294,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
+        if opts.fast_norms and hasattr(module, "use_fast_norms"):
+            module.use_fast_norms()
+            logger.info("[Ghost] Linear norms: shared input Gram matrices (fast_norms=True)")
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     def _one_backward_handoff(self, module, root, opts):

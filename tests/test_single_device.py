@@ -63,7 +63,8 @@ def _diff(a, b):
 
 OPTION_SETS = {
     "upstream_passes": (dict(sync_optimization=False), True),
-    "two_pass_restricted": (dict(one_backward=False), True),
+    "two_pass_restricted": (dict(one_backward=False, fast_norms=False), True),
+    "two_pass_fast_norms": (dict(one_backward=False), False),
     "one_backward": (dict(), False),  # the default
 }
 

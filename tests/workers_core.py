@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore")
 LR = 0.5
 B_LOCAL = 4
 #: Our option sets: sync skip only, + keep unsharded, + activations-only first pass, both.
+_UPSTREAM_NORMS = dict(fast_norms=False)
 OPTION_SETS = {
     "sync": dict(restricted_first_pass=False, keep_unsharded=False, one_backward=False),
     "keep": dict(restricted_first_pass=False, keep_unsharded=True, one_backward=False),
@@ -32,6 +33,8 @@ OPTION_SETS = {
     "parity": dict(restricted_first_pass=True, keep_unsharded=True, one_backward=False),
     "one_backward": dict(restricted_first_pass=True, keep_unsharded=False, one_backward=True),
 }
+for _name in ("sync", "keep", "restricted", "parity"):  # upstream's norm kernels: bit for bit
+    OPTION_SETS[_name].update(_UPSTREAM_NORMS)
 #: Sets whose result must equal upstream bit for bit (the others: to fp32 rounding).
 BIT_EXACT = ("sync", "keep", "restricted", "parity")
 

@@ -35,6 +35,7 @@ from opacus_fsdp_sync.distributed.env import init_distributed
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
+    SavedTensorsMeter,
     StepTimer,
     get_mode,
     peak_memory,
@@ -72,6 +73,9 @@ class ExperimentConfig:
     """Measured steps."""
     warmup: int = 2
     """Steps run first and dropped."""
+    count_steps: int = 1
+    """Steps run after the measured ones with the collective counter on (untimed: the counter is
+    a Python dispatch mode that sees every op, which would inflate timed steps on a GPU)."""
     mixed_precision: str = "auto"
     """``auto`` (bf16 params/fp32 reduce on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
     tie_word_embeddings: bool | None = None
@@ -94,7 +98,7 @@ class ExperimentConfig:
             raise ValueError(f"fsdp_api={self.fsdp_api!r}: choose fsdp2, fsdp1 or ddp")
         if self.mixed_precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: auto, bf16 or fp32")
-        for f in ("seq_length", "batch_size", "steps"):
+        for f in ("seq_length", "batch_size", "steps", "count_steps"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}={getattr(self, f)}: must be at least 1")
         if self.warmup < 0:
@@ -191,19 +195,25 @@ def run(cfg: ExperimentConfig) -> dict:
     ids, labels = ids.to(device), labels.to(device)
     timer = StepTimer(enabled=True, device=device)
     counter = CollectiveCounter()
+    saved = SavedTensorsMeter()
     per_phase: dict[str, list[float]] = {}
     losses = []
-    total = cfg.warmup + cfg.steps
+    total = cfg.warmup + cfg.steps + cfg.count_steps
     for i in range(total):
-        measured = i >= cfg.warmup
+        measured = cfg.warmup <= i < cfg.warmup + cfg.steps
+        counted = i >= cfg.warmup + cfg.steps
         if i == cfg.warmup:
             reset_peak(device)
-        if measured:
+        if counted:
             counter.__enter__()
         try:
             with timer.phase("step"):
                 with phase("forward"), timer.phase("forward"):
-                    loss = _loss(cfg, model, criterion, ids, labels, mode.private)
+                    if counted:  # also untimed: autograd's saved bytes, next to one backward's
+                        with saved:
+                            loss = _loss(cfg, model, criterion, ids, labels, mode.private)
+                    else:
+                        loss = _loss(cfg, model, criterion, ids, labels, mode.private)
                 if mode.private:
                     loss.backward()
                 else:
@@ -213,7 +223,7 @@ def run(cfg: ExperimentConfig) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
         finally:
-            if measured:
+            if counted:
                 counter.__exit__(None, None, None)
         timings = timer.flush()
         if engine is not None:
@@ -223,12 +233,12 @@ def run(cfg: ExperimentConfig) -> dict:
             for k, v in timings.items():
                 per_phase.setdefault(k, []).append(v)
         if rank == 0:
-            tag = "measured" if measured else "warm-up"
+            tag = "measured" if measured else ("counted" if counted else "warm-up")
             print(f"  step {i + 1}/{total} ({tag}): {timings['step']:.1f} ms", flush=True)
     step_ms = per_phase.pop("step")
     comm = {
         p: {
-            k: {"count": v["count"] / cfg.steps, "bytes": v["bytes"] / cfg.steps}
+            k: {"count": v["count"] / cfg.count_steps, "bytes": v["bytes"] / cfg.count_steps}
             for k, v in kinds.items()
         }
         for p, kinds in counter.as_dict().items()
@@ -248,6 +258,7 @@ def run(cfg: ExperimentConfig) -> dict:
             "clock": timer.clock,
             "warmup_steps_dropped": cfg.warmup,
             "measured_steps": cfg.steps,
+            "collectives_counted_in_untimed_steps": cfg.count_steps,
             "host": platform.node(),
         },
         "model": {"parameters": n_params, "tied_embeddings": tied},
@@ -258,6 +269,7 @@ def run(cfg: ExperimentConfig) -> dict:
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
+        "autograd_saved_bytes": saved.bytes,
         "losses": losses,
         "status": "ok",
     }

@@ -37,6 +37,9 @@ COLUMNS = [
     "ag_per_step",
     "ar_per_step",
     "ar_MiB_per_step",
+    "kept_MiB",
+    "autograd_saved_MiB",
+    "optimizer_ms",
     "peak_mem_MiB",
     "status",
 ]
@@ -112,6 +115,13 @@ def rows(results: list[dict]) -> list[dict]:
                 ag_per_step=f"{_comm(r, 'all_gather', field='count'):g}",
                 ar_per_step=f"{_comm(r, 'all_reduce', field='count'):g}",
                 ar_MiB_per_step=f"{_comm(r, 'all_reduce') / 2**20:.2f}",
+                kept_MiB=f"{r.get('one_backward_kept_bytes', 0) / 2**20:.1f}",
+                autograd_saved_MiB=f"{r['autograd_saved_bytes'] / 2**20:.1f}"
+                if "autograd_saved_bytes" in r
+                else "",
+                optimizer_ms=f"{ph['optimizer_step']['median']:.1f}"
+                if "optimizer_step" in ph
+                else "",
                 peak_mem_MiB=f"{r['peak_memory']['bytes'] / 2**20:.0f}",
             )
         out.append(row)

@@ -88,37 +88,52 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
         return t.to_local() if isinstance(t, DTensor) else t
 
     def add_noise(self) -> None:
-        """``p.grad = summed + noise``, the noise drawn for the local shards in one call.
+        """``p.grad = factor * summed + noise`` on the local shards, in one pass after the draw.
 
+        ``factor`` is what :meth:`scale_grad` would apply next (``1 / (expected batch x
+        accumulated iterations)`` for a mean loss; ``world_size`` for a sum, since FSDP averaged
+        the gradients), so the scaling is folded in here and :meth:`scale_grad` does nothing.
         Works on the local tensors in place (no DTensor dispatch per parameter): one Gaussian
-        draw per dtype and device for all shards together, then one ``_foreach_add_``.
+        draw per dtype and device for all shards together, then one ``_foreach_lerp_``:
+        ``lerp(g, e, w) = (1 - w) g + w e`` with ``w = 1 - factor`` and ``e`` drawn with standard
+        deviation ``std / |w|`` is ``factor * g`` plus noise of standard deviation ``std``.
         """
         std = (
             getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         )
         if self.loss_reduction == "mean":
-            std = std / self.world_size
+            factor = 1.0 / (self.expected_batch_size * self.accumulated_iterations)
+            std = std / self.world_size * factor
+        else:  # FSDP averaged the gradients: the sum is world_size times that
+            factor = float(self.world_size)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for p in self.params:
             summed = self.grad_state[p]["summed_grad"]
             p.grad = summed if summed.shape == p.shape else summed.view_as(p)
             local = self._local(p.grad)
             groups.setdefault((local.dtype, local.device), []).append(local)
-        if self.loss_reduction == "sum":  # FSDP averaged the gradients: the sum is W times that
-            for locals_ in groups.values():
-                torch._foreach_mul_(locals_, float(self.world_size))
-        if std == 0:
-            return
+        self._scaled = True
+        weight = 1.0 - factor
         for (dtype, device), locals_ in groups.items():
+            if std == 0:
+                if factor != 1.0:
+                    torch._foreach_mul_(locals_, factor)
+                continue
             flat = torch.empty(sum(t.numel() for t in locals_), dtype=dtype, device=device)
-            flat.normal_(0.0, std, generator=self.generator)
+            flat.normal_(0.0, std / abs(weight) if weight else std, generator=self.generator)
             noises = [
                 n.view_as(t) for n, t in zip(flat.split([t.numel() for t in locals_]), locals_)
             ]
-            torch._foreach_add_(locals_, noises)
+            if weight:
+                torch._foreach_lerp_(locals_, noises, weight)
+            else:
+                torch._foreach_add_(locals_, noises)
 
     def scale_grad(self) -> None:
-        """Divides every local gradient shard by the expected batch size, in one foreach op."""
+        """Nothing when :meth:`add_noise` already scaled (always, in a step); else as Opacus."""
+        if getattr(self, "_scaled", False):
+            self._scaled = False
+            return
         if self.loss_reduction == "mean":
             locals_ = [self._local(p.grad) for p in self.params]
             torch._foreach_div_(locals_, self.expected_batch_size * self.accumulated_iterations)

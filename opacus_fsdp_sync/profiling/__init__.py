@@ -5,6 +5,7 @@ from .flops import PhaseFlopCounter
 from .memory import memory_summary, peak_memory, reset_peak
 from .modes import MODES, ModeSpec, get_mode
 from .phases import STEP_PHASES, current_phase, phase
+from .saved import SavedTensorsMeter
 from .timers import TIMING_ENV, StepTimer, timing_enabled_from_env
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "CollectiveCounter",
     "CollectiveStats",
     "PhaseFlopCounter",
+    "SavedTensorsMeter",
     "StepTimer",
     "current_phase",
     "memory_summary",

@@ -1,0 +1,111 @@
+"""Fast Linear norms: shared input Gram matrices, exact to fp32 rounding, fewer matmuls."""
+
+import copy
+import warnings
+
+import opacus
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.linear_norm import GramCache
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.models import SharedInputSeqNet, seq_sample_loss
+from tests.private import make_private
+
+warnings.filterwarnings("ignore")
+B, T, D = 6, 10, 16
+
+
+class _CountBmm(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.bmm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.bmm += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture()
+def setup():
+    torch.manual_seed(0)
+    base = SharedInputSeqNet(D)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2 * B, T, D, generator=g), torch.randint(0, 8, (2 * B, T), generator=g)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x[:B], y[:B], 1.0)
+    C = norms.median().item()
+    assert 0 < (norms > C).sum() < B  # clipping active
+    return base, x, y, C
+
+
+def _train(engine, base, x, y, C, counter=None, steps=2):
+    model = copy.deepcopy(base)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
+    for s in range(steps):
+        xs, ys = x[s * B : (s + 1) * B], y[s * B : (s + 1) * B]
+        logits = gsm(xs)
+        loss = crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T))
+        if counter is not None and s == 0:
+            with counter:
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, gsm
+
+
+def _diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+def test_fast_norms_equal_upstream_and_loop(setup, one_backward):
+    base, x, y, C = setup
+    ours, gsm = _train(PrivacyEngine(one_backward=one_backward), base, x, y, C)
+    assert gsm.gram_cache is not None
+    upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
+    ref = copy.deepcopy(base)
+    for s in range(2):
+        sl = slice(s * B, (s + 1) * B)
+        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
+    loop = {n: p.detach() for n, p in ref.named_parameters()}
+    assert _diff(ours, upstream) <= 1e-6
+    assert _diff(ours, loop) <= 1e-6
+    assert _diff(ours, {n: p for n, p in base.named_parameters()}) > 1e-3
+
+
+def test_shared_inputs_take_one_gram_each(setup):
+    """Six Linear layers read three distinct inputs: 6 output Grams + 3 input Grams."""
+    base, x, y, C = setup
+    fast, slow = _CountBmm(), _CountBmm()
+    _train(PrivacyEngine(one_backward=False), base, x, y, C, counter=fast)
+    _train(PrivacyEngine(one_backward=False, fast_norms=False), base, x, y, C, counter=slow)
+    print(f"bmm calls per backward: fast {fast.bmm}, upstream kernels {slow.bmm}")
+    assert fast.bmm == 6 + 3
+    assert slow.bmm > fast.bmm
+
+
+def test_gram_cache_releases_after_last_reader():
+    cache = GramCache()
+    a = torch.randn(2, 5, 3)
+    cache.note_input(a)
+    cache.note_input(a)
+    first = cache.gram(a)
+    assert cache._grams  # kept for the second reader
+    assert cache.gram(a) is first
+    assert not cache._grams and not cache._readers
+    torch.testing.assert_close(first, a @ a.transpose(1, 2))
+    cache.note_input(a)
+    cache.note_input(a)
+    cache.gram(a)
+    cache.clear()
+    assert not cache._grams and not cache._readers
+
+
+def test_fast_norms_option_is_validated():
+    with pytest.raises(ValueError, match="fast_norms"):
+        PrivacyEngine(fast_norms="yes")
