@@ -177,7 +177,9 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                         self.module.forget_pass()
                     self.optimizer.original_optimizer.zero_grad(set_to_none=True)
         try:
-            self.optimizer.zero_grad()
+            # As upstream, drop what the first pass left; to None rather than zero-filled, so FSDP
+            # and autograd assign the clipped gradients instead of adding them to zeros.
+            self.optimizer.zero_grad(set_to_none=True)
             coeff = self.module.get_clipping_coef()
             if one:
                 self._deliver_clipped_gradients(coeff)

@@ -60,8 +60,11 @@ class GramCache:
 
 
 def _contract(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
-    """``<aat_n, ggt_n>`` per sample, accumulated in fp32."""
-    return (aat.flatten(1).float() * ggt.flatten(1).float()).sum(1)
+    """``<aat_n, ggt_n>`` per sample: products formed and summed in fp32 (two kernels)."""
+    a, g = aat.flatten(1), ggt.flatten(1)
+    if a.dtype == g.dtype == torch.float32:
+        return (a * g).sum(1)
+    return torch.mul(a, g, out=torch.empty(a.shape, dtype=torch.float32, device=a.device)).sum(1)
 
 
 def make_linear_norm_sampler(cache: GramCache):

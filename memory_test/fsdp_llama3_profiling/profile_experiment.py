@@ -221,7 +221,7 @@ def run(cfg: ExperimentConfig) -> dict:
                         loss.backward()
                 with phase("optimizer_step"), timer.phase("optimizer_step"):
                     optimizer.step()
-                    optimizer.zero_grad()
+                    optimizer.zero_grad(set_to_none=True)  # Opacus's default zero-fills
         finally:
             if counted:
                 counter.__exit__(None, None, None)

@@ -34,13 +34,16 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
             plain tensors here (the generic path needs their full values).
     """
     out = {}
+    scales: dict[tuple, torch.Tensor] = {}
     for module, inputs, grad_out in kept:
         n = grad_out.shape[0]
-        scale = coef.to(device=grad_out.device, dtype=torch.float32)
-        if loss_reduction == "mean":
-            scale = scale * n
+        key = (grad_out.device, n)
+        if key not in scales:
+            scale = coef.to(device=grad_out.device, dtype=torch.float32)
+            scales[key] = scale * n if loss_reduction == "mean" else scale
         shape = (n,) + (1,) * (grad_out.dim() - 1)
-        scaled = (grad_out.float() * scale.view(shape)).to(grad_out.dtype)
+        # One kernel: the product is formed in fp32 and rounded once to the gradient's dtype.
+        scaled = torch.mul(grad_out, scales[key].view(shape), out=torch.empty_like(grad_out))
         formula = wg.direct_formula(module, type_of(module))
         if formula is not None:
             grads = formula(module, inputs, scaled)
