@@ -40,6 +40,7 @@ def fsdp1_exactness(
     tie=False,
     precision="fp32",
     noise=0.0,
+    one_backward=True,
 ) -> dict:
     torch.manual_seed(0)
     base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
@@ -59,8 +60,16 @@ def fsdp1_exactness(
     for strategy in strategies:
         cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)
         model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+        engine = PrivacyEngine(one_backward=one_backward)
         gsm, opt, crit, _ = make_private(
-            PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", noise=noise, lr=LR
+            engine,
+            model,
+            (ids,),
+            b,
+            C,
+            "ghost_fsdp",
+            noise=noise,
+            lr=LR,
         )
         counts = []
         for s in range(steps):
@@ -82,6 +91,7 @@ def fsdp1_exactness(
             "vs_loop": _diff(_full(model), ref_params),
             "counts": counts,
             "optimizer": type(opt).__name__,
+            "one_backward": engine.one_backward,
         }
     return out
 

@@ -173,7 +173,8 @@ class FSDP1Controller:
 
     The first pass must produce no parameter gradient (so FSDP1 reduce-scatters nothing and
     does not reshard); its final callback is kept from being queued, and every state is set back
-    to IDLE afterwards, so that the second backward runs as a normal FSDP1 backward.
+    to IDLE afterwards, so that the second backward runs as a normal FSDP1 backward, or the
+    one-backward hand-off (``_fsdp1_internals.reduce_clipped_gradients``) continues it.
     """
 
     api = FSDP1
@@ -198,7 +199,8 @@ class FSDP1Controller:
             self._previous = None
 
     def abort(self) -> None:
-        """After a failure the states are IDLE again (``end_first_pass``); nothing else."""
+        """Puts every state back to IDLE (a one-backward hand-off may have raised midway)."""
+        fsdp1.end_backward_after_failure(self.root)
 
 
 def make_controller(
