@@ -6,6 +6,8 @@ and resets the pre-backward flags, so Opacus's second backward reads freed stora
 activations-only first pass (no parameter gradient, so no post-backward hook fires), keeping that
 callback from being queued and putting every state back to IDLE lets the second backward run as a
 normal one: parameters stay unsharded from the first pass, gradients are reduce-scattered once.
+The one-backward hand-off (``reduce_clipped_gradients``) instead continues that backward with the
+clipped gradients: FSDP1's own post-backward hooks and final callback, no second backward.
 """
 
 from __future__ import annotations
