@@ -26,8 +26,8 @@ def _counts(counter: CollectiveCounter) -> dict:
     return {p: {k: s["count"] for k, s in kinds.items()} for p, kinds in counter.as_dict().items()}
 
 
-def _shard(base: nn.Module, strategy: str) -> nn.Module:
-    cfg = ShardingConfig.for_precision("fp32", backend="fsdp1", strategy=strategy)
+def _shard(base: nn.Module, strategy: str, precision: str = "fp32") -> nn.Module:
+    cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)
     return shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
 
 
@@ -50,8 +50,8 @@ def _non_private(base, ids, rank, world, strategy, steps) -> list[dict]:
     return counts
 
 
-def _private(base, ids, rank, world, strategy, steps, C, noise, one) -> dict:
-    model = _shard(base, strategy)
+def _private(base, ids, rank, world, strategy, steps, C, noise, one, precision) -> dict:
+    model = _shard(base, strategy, precision)
     engine = PrivacyEngine(one_backward=one)
     gen = torch.Generator().manual_seed(11)
     b = B_LOCAL * world
@@ -72,7 +72,14 @@ def _private(base, ids, rank, world, strategy, steps, C, noise, one) -> dict:
     return {"params": _full(model), "counts": counts, "used": engine.one_backward, "norms": norms}
 
 
-def one_vs_two(rank: int, world: int, strategies: list, steps: int = 3, noise: float = 0.0):
+def one_vs_two(
+    rank: int,
+    world: int,
+    strategies: list,
+    steps: int = 3,
+    noise: float = 0.0,
+    precision: str = "fp32",
+):
     """Per strategy: one backward against two passes, the loop, and the non-private counts."""
     records: list[str] = []
 
@@ -100,8 +107,8 @@ def one_vs_two(rank: int, world: int, strategies: list, steps: int = 3, noise: f
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
     out = {"C": C, "clipped": int((norms > C).sum()), "n": len(norms), "results": {}}
     for strategy in strategies:
-        one = _private(base, ids, rank, world, strategy, steps, C, noise, True)
-        two = _private(base, ids, rank, world, strategy, steps, C, noise, False)
+        one = _private(base, ids, rank, world, strategy, steps, C, noise, True, precision)
+        two = _private(base, ids, rank, world, strategy, steps, C, noise, False, precision)
         out["results"][strategy] = {
             "one_vs_two": _diff(one["params"], two["params"]),
             "one_vs_loop": _diff(one["params"], loop),
