@@ -68,3 +68,4 @@ def test_unsupported_fsdp1_combinations_are_refused_clearly():
     assert "activations-only first pass" in res["upstream_passes"]
     assert "use FSDP2" in res["upstream_passes"]
     assert "use_orig_params=True" in res["flat_params"]
+    assert "one root FullyShardedDataParallel" in res["two_roots"]

@@ -110,9 +110,13 @@ def fsdp1_refusals(rank: int, world: int) -> dict:
     flat = FSDP(
         build_llama(LlamaSpec(preset="tiny")), device_id=torch.device("cpu"), use_orig_params=False
     )
-    for name, (cfg, opts) in [*cases.items(), ("flat_params", (None, {}))]:
+    two_roots = build_llama(LlamaSpec(preset="tiny"))
+    for i, layer in enumerate(two_roots.model.layers):
+        two_roots.model.layers[i] = FSDP(layer, device_id=torch.device("cpu"), use_orig_params=True)
+    built = {"flat_params": flat, "two_roots": two_roots}
+    for name, (cfg, opts) in [*cases.items(), *((k, (None, {})) for k in built)]:
         if cfg is None:
-            model = flat
+            model = built[name]
         else:
             model = shard_model(
                 build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu")

@@ -227,6 +227,13 @@ def make_controller(
                 "backward fails (upstream Opacus rejects FSDP1 for this reason). Keep "
                 "sync_optimization=True and restricted_first_pass=True, or use FSDP2."
             )
+        if len(root.modules) > 1:
+            raise UnsupportedConfigurationError(
+                f"Ghost clipping under FSDP1 needs one root FullyShardedDataParallel; this model "
+                f"has {len(root.modules)} outermost instances, each ending the backward on its "
+                "own. Wrap the whole model once more (FullyShardedDataParallel(model, ...)), as "
+                "opacus_fsdp_sync.sharding.shard_model does."
+            )
         if not fsdp1.uses_orig_params(root.modules[0]):
             raise UnsupportedConfigurationError(
                 "Ghost clipping under FSDP1 needs use_orig_params=True: with flat parameters the "
