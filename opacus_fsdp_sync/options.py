@@ -33,8 +33,8 @@ class GhostOptions:
     the available host memory on CPU."""
     one_backward: bool = True
     """With the activations-only first pass: compute each layer's clipped weight gradient from it
-    and hand it to the API's own reduction, instead of a second backward (one device and FSDP2;
-    elsewhere, or for a layer without a direct formula under FSDP2, the two-pass step runs)."""
+    and hand it to the API's own reduction, instead of a second backward (one device, FSDP2 and
+    FSDP1; on DDP, or for a layer without a direct formula under FSDP, the two-pass step runs)."""
     fast_norms: bool = True
     """Linear ghost norms with each input's Gram matrix computed once for all layers reading it
     (q/k/v, gate/up) and an fp32 elementwise contraction instead of upstream's gemv: equal to

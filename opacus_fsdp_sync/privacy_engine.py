@@ -300,7 +300,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     def _one_backward_handoff(self, module, root, opts):
-        """The one-backward hand-off for this model, or None (two passes); logs which and why."""
+        """The one-backward hand-off for this model, or None (two passes); logs which and why.
+
+        Available on one device, FSDP2 and FSDP1 (``use_orig_params=True``); DDP, and a hooked
+        layer without a direct gradient formula under FSDP, take the two-pass step.
+        """
         from .one_backward import make_handoff, unsupported_layers
 
         if not (opts.one_backward and opts.restricted_first_pass):

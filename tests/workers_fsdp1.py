@@ -40,6 +40,7 @@ def fsdp1_exactness(
     tie=False,
     precision="fp32",
     noise=0.0,
+    one_backward=True,
 ) -> dict:
     torch.manual_seed(0)
     base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
@@ -59,8 +60,16 @@ def fsdp1_exactness(
     for strategy in strategies:
         cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)
         model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+        engine = PrivacyEngine(one_backward=one_backward)
         gsm, opt, crit, _ = make_private(
-            PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", noise=noise, lr=LR
+            engine,
+            model,
+            (ids,),
+            b,
+            C,
+            "ghost_fsdp",
+            noise=noise,
+            lr=LR,
         )
         counts = []
         for s in range(steps):
@@ -82,6 +91,7 @@ def fsdp1_exactness(
             "vs_loop": _diff(_full(model), ref_params),
             "counts": counts,
             "optimizer": type(opt).__name__,
+            "one_backward": engine.one_backward,
         }
     return out
 
@@ -100,9 +110,13 @@ def fsdp1_refusals(rank: int, world: int) -> dict:
     flat = FSDP(
         build_llama(LlamaSpec(preset="tiny")), device_id=torch.device("cpu"), use_orig_params=False
     )
-    for name, (cfg, opts) in [*cases.items(), ("flat_params", (None, {}))]:
+    two_roots = build_llama(LlamaSpec(preset="tiny"))
+    for i, layer in enumerate(two_roots.model.layers):
+        two_roots.model.layers[i] = FSDP(layer, device_id=torch.device("cpu"), use_orig_params=True)
+    built = {"flat_params": flat, "two_roots": two_roots}
+    for name, (cfg, opts) in [*cases.items(), *((k, (None, {})) for k in built)]:
         if cfg is None:
-            model = flat
+            model = built[name]
         else:
             model = shard_model(
                 build_llama(LlamaSpec(preset="tiny")), cfg, device=torch.device("cpu")

@@ -6,6 +6,8 @@ and resets the pre-backward flags, so Opacus's second backward reads freed stora
 activations-only first pass (no parameter gradient, so no post-backward hook fires), keeping that
 callback from being queued and putting every state back to IDLE lets the second backward run as a
 normal one: parameters stay unsharded from the first pass, gradients are reduce-scattered once.
+The one-backward hand-off (``reduce_clipped_gradients``) instead continues that backward with the
+clipped gradients: FSDP1's own post-backward hooks and final callback, no second backward.
 """
 
 from __future__ import annotations
@@ -138,3 +140,156 @@ def put_flat_grad(handle, grad: torch.Tensor | None) -> None:
         flat.grad = torch.empty_like(flat)
         flat.grad.data = grad
     handle._use_unsharded_grad_views()
+
+
+# --- One-backward hand-off (opacus_fsdp_sync.one_backward), checked on torch 2.13.0 -----------
+#
+# After the activations-only first pass every handle that took part is unsharded (its
+# pre-backward hook all-gathered it, and no post-backward hook fired because no flat parameter
+# received a gradient), its state was reopened to IDLE by ``reopen_backward`` and its handle is
+# still ``BACKWARD_PRE``. The hand-off continues that backward as autograd would have: it writes
+# the clipped gradients into each unsharded flat gradient through FSDP1's own unflatten views
+# (alignment padding included), runs FSDP1's post-backward hook per handle (reduce dtype,
+# pre/post-divide, reduce-scatter or NO_SHARD all-reduce, accumulation into the saved shard,
+# reshard, sharded grad views) and then the root's end-of-backward callback. No all-gather.
+
+
+def _private(owner, name: str):
+    value = getattr(owner, name, None)
+    if value is None:
+        raise _fail_one_backward(f"{type(owner).__name__}.{name}")
+    return value
+
+
+def _fail_one_backward(what: str) -> FSDPInternalsError:
+    return FSDPInternalsError(
+        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (FSDP1 one-backward "
+        f"hand-off verified on {', '.join(VERIFIED_TORCH_VERSIONS)}). Pass one_backward=False to "
+        "PrivacyEngine (the two-pass FSDP1 step), or use FSDP2."
+    )
+
+
+def _runtime():
+    """FSDP1's runtime functions the hand-off drives (private module of torch)."""
+    try:
+        from torch.distributed.fsdp import _runtime_utils as runtime
+        from torch.distributed.fsdp._common_utils import TrainingState
+        from torch.distributed.fsdp._flat_param import HandleTrainingState
+    except ImportError as err:
+        raise _fail_one_backward("torch.distributed.fsdp._runtime_utils") from err
+    for name in (
+        "_post_backward_hook",
+        "_post_backward_final_callback",
+        "_reset_flat_param_grad_info_if_needed",
+    ):
+        _private(runtime, name)
+    return runtime, TrainingState, HandleTrainingState
+
+
+def _slots(handles: list) -> dict[tuple[int, str], tuple[object, int]]:
+    """``(id(module), attribute) -> (handle, index in the flat parameter)`` for every use.
+
+    A weight shared inside one flat parameter (FSDP1 keeps one copy) maps every use to the same
+    index, so its uses' gradients add up there.
+    """
+    slots = {}
+    for handle in handles:
+        flat = handle.flat_param
+        infos = _private(flat, "_param_infos")
+        shared = getattr(flat, "_shared_param_infos", None)
+        if shared is None:
+            raise _fail_one_backward("FlatParameter._shared_param_infos")
+        for i, (name, module, _) in enumerate(infos):
+            slots[(id(module), name)] = (handle, i)
+        for name, module, _, prim_name, prim_module, _ in shared:
+            slots[(id(module), name)] = slots[(id(prim_module), prim_name)]
+    return slots
+
+
+def _flat_gradient(handle, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The unsharded flat gradient holding ``pieces`` (zeros elsewhere, padding included)."""
+    flat = handle.flat_param
+    size = _private(flat, "_unpadded_unsharded_size")
+    if flat.numel() != size.numel():
+        raise _fail_one_backward(
+            "an unsharded FlatParameter after the first pass (it was resharded)"
+        )
+    unflat = _private(handle, "_get_unflat_views")
+    requires = [p.requires_grad for p in _private(flat, "_params")]
+    grad = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+    views = list(unflat(grad))
+    for i, g in pieces:
+        if requires[i]:
+            views[i].add_(g.reshape(views[i].shape).to(grad.dtype))
+    return grad
+
+
+@torch.no_grad()
+def reduce_clipped_gradients(root: nn.Module, grads: dict) -> None:
+    """Hands full clipped gradients to FSDP1's own post-backward, as a normal backward would.
+
+    Call it after the activations-only first pass and ``reopen_backward``. Does what the second
+    backward of the two-pass step does from its first pre-backward hook on: clears flat gradients
+    whose original parameters' gradients were all set to None, adds each handle's clipped
+    gradient to whatever unsharded gradient it holds (the user's ``no_sync()`` micro-batches),
+    runs FSDP1's post-backward hook per handle, then the root's final callback, so every handle
+    ends resharded and IDLE with its sharded ``.grad`` set.
+
+    Args:
+        root: The root ``FullyShardedDataParallel`` module.
+        grads: ``{key: (module, attribute, full gradient)}`` from
+            :func:`~opacus_fsdp_sync.one_backward.clipped_gradients`.
+
+    Raises:
+        FSDPInternalsError: for a gradient FSDP1 does not manage, or missing internals (the
+            message names the way out, ``one_backward=False``).
+    """
+    runtime, TrainingState, HandleTrainingState = _runtime()
+    states = _states(root)
+    if not getattr(root, "_is_root", False):
+        raise _fail_one_backward("FullyShardedDataParallel._is_root on the outermost instance")
+    handles = [s._handle for s in states if getattr(s, "_handle", None) is not None]
+    slots = _slots(handles)
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for module, name, g in grads.values():
+        slot = slots.get((id(module), name))
+        if slot is None:
+            raise FSDPInternalsError(
+                f"{type(module).__name__}.{name} received a clipped gradient but no FSDP1 flat "
+                "parameter holds it; wrap every trainable parameter with FSDP1, or pass "
+                "one_backward=False to PrivacyEngine."
+            )
+        pieces.setdefault(id(slot[0]), []).append((slot[1], g))
+    # What the second backward's root pre-backward hook would do first.
+    runtime._reset_flat_param_grad_info_if_needed(handles)
+    for state in states:
+        state.training_state = TrainingState.FORWARD_BACKWARD
+    for state in reversed(states):  # the same order on every rank
+        handle = getattr(state, "_handle", None)
+        if handle is None or id(handle) not in pieces:
+            continue
+        if handle._training_state != HandleTrainingState.BACKWARD_PRE:
+            raise _fail_one_backward(
+                f"FlatParamHandle._training_state BACKWARD_PRE (got {handle._training_state})"
+            )
+        flat = handle.flat_param
+        grad = _flat_gradient(handle, pieces[id(handle)])
+        if flat.grad is not None:  # as AccumulateGrad: existing unsharded gradient + new
+            if flat.grad.shape != grad.shape:
+                raise _fail_one_backward("an unsharded FlatParameter.grad (or None)")
+            grad += flat.grad
+        flat.grad = grad
+        runtime._post_backward_hook(state, handle, flat)
+    runtime._post_backward_final_callback(root, root)
+
+
+def end_backward_after_failure(root: nn.Module) -> None:
+    """Puts every FSDP1 state back to IDLE after a hand-off raised (best effort)."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+
+    for state in _states(root):
+        state.training_state = TrainingState.IDLE
+        handle = getattr(state, "_handle", None)
+        if handle is not None:
+            handle._ran_pre_backward_hook = False
+    root._post_backward_callback_queued = False

@@ -173,7 +173,8 @@ class FSDP1Controller:
 
     The first pass must produce no parameter gradient (so FSDP1 reduce-scatters nothing and
     does not reshard); its final callback is kept from being queued, and every state is set back
-    to IDLE afterwards, so that the second backward runs as a normal FSDP1 backward.
+    to IDLE afterwards, so that the second backward runs as a normal FSDP1 backward, or the
+    one-backward hand-off (``_fsdp1_internals.reduce_clipped_gradients``) continues it.
     """
 
     api = FSDP1
@@ -198,7 +199,8 @@ class FSDP1Controller:
             self._previous = None
 
     def abort(self) -> None:
-        """After a failure the states are IDLE again (``end_first_pass``); nothing else."""
+        """Puts every state back to IDLE (a one-backward hand-off may have raised midway)."""
+        fsdp1.end_backward_after_failure(self.root)
 
 
 def make_controller(
@@ -224,6 +226,13 @@ def make_controller(
                 "at the end of a first backward that computes weight gradients, so the second "
                 "backward fails (upstream Opacus rejects FSDP1 for this reason). Keep "
                 "sync_optimization=True and restricted_first_pass=True, or use FSDP2."
+            )
+        if len(root.modules) > 1:
+            raise UnsupportedConfigurationError(
+                f"Ghost clipping under FSDP1 needs one root FullyShardedDataParallel; this model "
+                f"has {len(root.modules)} outermost instances, each ending the backward on its "
+                "own. Wrap the whole model once more (FullyShardedDataParallel(model, ...)), as "
+                "opacus_fsdp_sync.sharding.shard_model does."
             )
         if not fsdp1.uses_orig_params(root.modules[0]):
             raise UnsupportedConfigurationError(

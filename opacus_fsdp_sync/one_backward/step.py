@@ -82,13 +82,24 @@ def hand_to_single_device(grads: dict) -> None:
 
 
 def make_handoff(api: str | None, modules: list[nn.Module]):
-    """The function that delivers clipped gradients for an API, or None where unsupported."""
+    """The function that delivers clipped gradients for an API, or None where unsupported.
+
+    One device: ``p.grad``. FSDP2: each group's unsharded gradients, then FSDP2's own
+    post-backward. FSDP1 (``use_orig_params=True``): each handle's unsharded flat gradient, then
+    FSDP1's own post-backward hooks and final callback. DDP: None (two passes).
+    """
     if api is None:
         return hand_to_single_device
     if api == "fsdp2":
         from ..distributed import _fsdp2_internals as internals
 
         return lambda grads: internals.reduce_clipped_gradients(modules, by_parameter(grads))
+    if api == "fsdp1":
+        from ..distributed import _fsdp1_internals as fsdp1
+
+        # Keyed by (module, attribute): FSDP1's own metadata maps a tied weight's uses to one
+        # slot of its flat parameter, where they add up (what by_parameter does elsewhere).
+        return lambda grads: fsdp1.reduce_clipped_gradients(modules[0], grads)
     return None
 
 
