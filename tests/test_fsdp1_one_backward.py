@@ -65,10 +65,12 @@ def test_noise_same_seed_same_step_as_two_passes():
 
 
 @pytest.mark.parametrize("strategy", ["full", "shard_grad_op"])
-def test_user_no_sync_micro_batch_then_synced_equals_two_passes(strategy):
-    for res in run_ranks(w.unsynced_microbatch_then_synced, 2, strategy, timeout=300):
+def test_user_no_sync_micro_batch_is_refused_and_the_next_step_is_exact(strategy):
+    for res in run_ranks(w.unsynced_microbatch_is_refused, 2, strategy, timeout=300):
+        for one, message in res["refused"].items():
+            assert "no_sync" in message and "virtual steps" in message, (one, message)
         assert res["moved"] > 1e-3
-        assert res["one_vs_two"] <= TOL
+        assert res["after_vs_clean"] <= TOL
 
 
 def test_bf16_params_fp32_reduce_within_two_ulps_of_two_passes():

@@ -125,26 +125,36 @@ def one_vs_two(
     return out
 
 
-def unsynced_microbatch_then_synced(rank: int, world: int, strategy: str) -> dict:
-    """The user's own FSDP1 accumulation (``no_sync()``, then synced): one equals two passes."""
+def unsynced_microbatch_is_refused(rank: int, world: int, strategy: str) -> dict:
+    """The user's own FSDP1 accumulation (``no_sync()``) is refused; the next step is exact."""
+    from opacus_fsdp_sync.distributed import UnsupportedConfigurationError
+
     torch.manual_seed(0)
     base = build_llama(LlamaSpec(preset="tiny"))
     b = B_LOCAL * world
     ids = torch.randint(1, base.config.vocab_size, (2 * b, T), generator=torch.Generator())
-    out = {}
-    for one, first in ((True, True), (False, True), (True, False)):
+    out = {"refused": {}}
+    for one in (True, False):
         model = _shard(base, strategy)
         engine = PrivacyEngine(one_backward=one)
         gsm, opt, crit, _ = make_private(engine, model, (ids,), b, 0.5, "ghost_fsdp", lr=LR)
-        if first:
+        try:
             with model.no_sync():
                 lm_loss(gsm, crit, _local(ids, 0, b, rank)).backward()
+            out["refused"][one] = ""
+        except UnsupportedConfigurationError as err:
+            out["refused"][one] = str(err)
+        opt.zero_grad()
         lm_loss(gsm, crit, _local(ids, 1, b, rank)).backward()
         opt.step()
-        out[one, first] = _full(model)
+        out[one] = _full(model)
+    clean = _shard(base, strategy)
+    gsm, opt, crit, _ = make_private(PrivacyEngine(), clean, (ids,), b, 0.5, "ghost_fsdp", lr=LR)
+    lm_loss(gsm, crit, _local(ids, 1, b, rank)).backward()
+    opt.step()
     start = {n: p.detach().float() for n, p in base.named_parameters()}
     return {
-        "one_vs_two": _diff(out[True, True], out[False, True]),
-        "moved": _diff(out[True, True], start),
-        "vs_synced_only": _diff(out[True, True], out[True, False]),
+        "refused": out["refused"],
+        "after_vs_clean": max(_diff(out[True], _full(clean)), _diff(out[False], _full(clean))),
+        "moved": _diff(out[True], start),
     }

@@ -35,6 +35,14 @@ def _states(root: nn.Module) -> list:
     return list(states)
 
 
+def syncs_gradients(root: nn.Module) -> bool:
+    """False inside the user's ``no_sync()`` (``FullyShardedDataParallel._sync_gradients``)."""
+    flag = getattr(root, "_sync_gradients", None)
+    if flag is None:
+        raise _fail("FullyShardedDataParallel._sync_gradients")
+    return bool(flag)
+
+
 def hold_final_callback(root: nn.Module) -> bool:
     """Marks the root's post-backward callback as already queued; returns the previous flag."""
     if not hasattr(root, "_post_backward_callback_queued"):

@@ -189,7 +189,20 @@ class FSDP1Controller:
         self._previous: bool | None = None
 
     def begin_first_pass(self) -> None:
-        """Keeps FSDP1's final callback from ending the iteration after the first pass."""
+        """Keeps FSDP1's final callback from ending the iteration after the first pass.
+
+        Raises:
+            UnsupportedConfigurationError: inside the user's ``no_sync()``: the DP step clears
+                gradients between micro-batches (as upstream does), so an unsynced micro-batch
+                would silently never reach the update.
+        """
+        if not fsdp1.syncs_gradients(self.root):
+            raise UnsupportedConfigurationError(
+                "FSDP1 no_sync() gradient accumulation is not supported with ghost clipping: the "
+                "private step clears gradients between backward passes, so the unsynced "
+                "micro-batch would be dropped silently. Accumulate with Opacus's virtual steps "
+                "(optimizer.signal_skip_step / BatchMemoryManager) instead."
+            )
         self._previous = fsdp1.hold_final_callback(self.root)
 
     def end_first_pass(self) -> None:
