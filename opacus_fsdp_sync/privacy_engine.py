@@ -59,7 +59,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         secure_mode: As in Opacus.
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
-            ``keep_unsharded_budget_bytes``, ``timing``).
+            ``keep_unsharded_budget_bytes``, ``one_backward``, ``timing``).
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
@@ -123,7 +123,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             ``(module, optimizer, criterion, data_loader)`` for ghost modes, as Opacus does.
 
         Raises:
-            UnsupportedConfigurationError: for ghost clipping on FSDP1.
+            UnsupportedConfigurationError: for what the sync-skipping step cannot do (FSDP1
+                layouts, DDP ``static_graph=True``); the message names the way out.
         """
         overrides = dict(
             sync_optimization=sync_optimization,
@@ -164,6 +165,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1", fsdp1=True)
         ours = opts.sync_optimization and not self.secure_mode
         if root.api == DDP and ours and opts.restricted_first_pass:
+            make_controller(root, enabled=True, restricted=True)  # raises early (static_graph)
             return _CallPlan("shared_noise")
         if root.api == FSDP2 and ours and kwargs["grad_sample_mode"] == "ghost_fsdp":
             return _CallPlan("fsdp2")
@@ -189,8 +191,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or ours where the distributed API already reduced gradients.
 
-        ``shared_noise``: gradients arrive averaged (DDP's bucketed all-reduce in the clipped
-        pass, FSDP1 NO_SHARD), no second all-reduce, one noise draw shared by all ranks.
+        ``shared_noise``: gradients arrive averaged (DDP: the one-backward hand-off's bucketed
+        all-reduce, or DDP's own in the clipped pass; FSDP1 NO_SHARD), no second all-reduce, one
+        noise draw shared by all ranks.
         ``fsdp1``: per-rank batch and sharded gradients. ``fsdp2``: noise drawn per local shard.
         """
         from .optimizers import (
@@ -295,7 +298,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     def _one_backward_handoff(self, module, root, opts):
         """The one-backward hand-off for this model, or None (two passes); logs which and why."""
-        from .one_backward import make_handoff, unsupported_layers
+        from .one_backward import OneBackwardUnavailable, make_handoff, unsupported_layers
 
         if not (opts.one_backward and opts.restricted_first_pass):
             why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
@@ -304,7 +307,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not getattr(module, "batch_first", True):
             logger.info("[Ghost] step: two backward passes (batch_first=False)")
             return None
-        handoff = make_handoff(root.api, root.modules)
+        try:
+            handoff = make_handoff(root.api, root.modules)
+        except OneBackwardUnavailable as err:
+            logger.info("[Ghost] step: two backward passes (%s)", err)
+            return None
         if handoff is None:
             logger.info(
                 "[Ghost] step: two backward passes (one backward not available on %s)", root.api

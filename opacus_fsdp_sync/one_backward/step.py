@@ -79,18 +79,39 @@ def hand_to_single_device(grads: dict) -> None:
 
 
 def make_handoff(api: str | None, modules: list[nn.Module]):
-    """The function that delivers clipped gradients for an API, or None where unsupported."""
+    """The function that delivers clipped gradients for an API.
+
+    One device: ``p.grad`` directly. FSDP2: FSDP2's own reduce-scatter. DDP: one bucketed
+    all-reduce averaging over ranks as DDP's reducer would (:class:`~.ddp.DDPHandoff`).
+
+    Returns:
+        A callable taking :func:`clipped_gradients`'s result, or None where unsupported (FSDP1).
+
+    Raises:
+        OneBackwardUnavailable: with the reason, for a DDP setting the hand-off does not emulate.
+    """
     if api is None:
         return hand_to_single_device
     if api == "fsdp2":
         from ..distributed import _fsdp2_internals as internals
 
         return lambda grads: internals.reduce_clipped_gradients(modules, by_parameter(grads))
+    if api == "ddp":
+        from ..distributed import _ddp_internals
+        from .ddp import DDPHandoff
+
+        blocker = _ddp_internals.one_backward_blocker(modules[0])
+        if blocker is not None:
+            raise OneBackwardUnavailable(f"{blocker} is not supported by the DDP hand-off")
+        return DDPHandoff(modules[0])
     return None
 
 
 def unsupported_layers(hooked: list[nn.Module], type_of, api: str | None) -> list[str]:
-    """Names of hooked layer types with no direct formula where the generic path cannot run."""
-    if api is None:
+    """Names of hooked layer types with no direct formula where the generic path cannot run.
+
+    The generic path needs full parameter values: always there on one device and under DDP.
+    """
+    if api in (None, "ddp"):
         return []
     return sorted({type_of(m).__name__ for m in hooked if wg.direct_formula(m, type_of(m)) is None})
