@@ -66,6 +66,22 @@ def test_ddp_reducer_stays_consistent_over_many_steps(ddp_kwargs):
         assert res["plain_vs_global"] <= TOL
 
 
+def test_ddp_several_buckets_and_a_comm_hook():
+    for res in run_ranks(wd.ddp_buckets_and_comm_hook, 2, timeout=300):
+        assert res["used"] is True
+        assert res["vs_loop"] <= TOL
+        # DDP's first iteration uses one bucket, then rebuilds buckets by gradient-ready order;
+        # ours uses the rebuilt layout from the start
+        for one, plain in list(zip(res["counts"], res["nonprivate_counts"]))[1:]:
+            print(f"small buckets: one {one} | non-private {plain}")
+            assert _total(one, "all_reduce") == _total(plain, "all_reduce") > 1
+            assert _total(one, "all_reduce", "bytes") == _total(plain, "all_reduce", "bytes")
+        # A communication hook is not emulated: DDP runs it in a second backward
+        assert res["hook_used"] is False
+        assert res["hook_vs_loop"] <= TOL
+        assert any("a DDP communication hook" in r for r in res["records"]), res["records"]
+
+
 def test_ddp_static_graph_is_refused_with_the_way_out():
     for msg in run_ranks(wd.ddp_static_graph_refused, 2, timeout=300):
         assert msg.startswith("UnsupportedConfigurationError: DDP static_graph=True"), msg

@@ -44,11 +44,14 @@ def _train(
     micro=1,
     ddp_kwargs=None,
     lr=LR,
+    setup=None,
 ):
     """``steps`` private steps on DDP; each rank's batch split into ``micro`` virtual steps."""
     x, y = data
     b = B_LOCAL * world
     model = DDP(copy.deepcopy(base), **(ddp_kwargs or {}))
+    if setup is not None:
+        setup(model)
     gen = torch.Generator().manual_seed(seed)
     gsm, opt, crit, _ = make_private(
         engine,
@@ -85,11 +88,11 @@ def _train(
     )
 
 
-def _nonprivate_counts(base, data, rank, world, steps=STEPS):
+def _nonprivate_counts(base, data, rank, world, steps=STEPS, ddp_kwargs=None):
     """Collectives of plain DDP steps (forward, backward, SGD step) on the same batches."""
     x, y = data
     b = B_LOCAL * world
-    model = DDP(copy.deepcopy(base))
+    model = DDP(copy.deepcopy(base), **(ddp_kwargs or {}))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     counts = []
     for s in range(steps):
@@ -210,6 +213,49 @@ def ddp_reducer_stays_consistent(rank: int, world: int, ddp_kwargs: dict) -> dic
         counts=one["counts"],
         plain_counts=counter.as_dict(),
         plain_vs_global=_max_diff(got, want),
+    )
+
+
+def _records():
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    log = logging.getLogger("opacus_fsdp_sync")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return records, lambda: log.removeHandler(handler)
+
+
+def ddp_buckets_and_comm_hook(rank: int, world: int) -> dict:
+    """Several buckets (a small ``bucket_cap_mb``); a communication hook takes two passes."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    base = EmbedNet()
+    data = _token_data(world, STEPS)
+    C = 0.5
+    ref = _reference(base, data, world, C)
+    small = {"bucket_cap_mb": 2000 / 2**20}  # about 2 kB: the 6.5 kB model spans buckets
+    one, _ = _train(PrivacyEngine(), base, data, rank, world, C, ddp_kwargs=small)
+    records, done = _records()
+    hooked, _ = _train(
+        PrivacyEngine(),
+        base,
+        data,
+        rank,
+        world,
+        C,
+        setup=lambda m: m.register_comm_hook(None, default_hooks.allreduce_hook),
+    )
+    done()
+    return dict(
+        used=one["one"],
+        counts=one["counts"],
+        nonprivate_counts=_nonprivate_counts(base, data, rank, world, ddp_kwargs=small),
+        vs_loop=_max_diff(one["params"], ref),
+        hook_used=hooked["one"],
+        hook_vs_loop=_max_diff(hooked["params"], ref),
+        records=records,
     )
 
 
