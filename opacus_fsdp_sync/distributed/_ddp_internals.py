@@ -55,8 +55,9 @@ def one_backward_blocker(ddp: nn.Module) -> str | None:
     """Why this DDP module cannot hand clipped gradients to our all-reduce, or None.
 
     Anything that changes what DDP's reducer does with a gradient (a communication hook, DDP's
-    mixed precision, the Python reducer, delayed all-reduce, a static graph) is not emulated: the
-    step then runs two backward passes and DDP reduces the second one itself.
+    mixed precision, the Python reducer, delayed all-reduce, a static graph, sparse embedding
+    gradients) is not emulated: the step then runs two backward passes and DDP reduces the
+    second one itself.
 
     Raises:
         DDPInternalsError: if an attribute read here is missing.
@@ -79,6 +80,9 @@ def one_backward_blocker(ddp: nn.Module) -> str | None:
         return "DDP delayed all-reduce parameters"
     if _get(ddp, "_comm_hooks"):
         return "a DDP communication hook"
+    sparse = (nn.Embedding, nn.EmbeddingBag)
+    if any(isinstance(m, sparse) and m.sparse for m in ddp.module.modules()):
+        return "a sparse embedding gradient"
     return None
 
 
