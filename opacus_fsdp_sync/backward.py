@@ -222,7 +222,8 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         with phase("weight_grads"), timer.phase("weight_grads"):
             grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
         del kept
-        with phase("reduce_scatter"), timer.phase("reduce_scatter"):
+        name = getattr(self.context.handoff, "phase", "reduce_scatter")
+        with phase(name), timer.phase(name):
             self.context.handoff(grads)
 
 

@@ -10,7 +10,6 @@ import torch
 logger = logging.getLogger("opacus_fsdp_sync")
 
 
-
 @dataclass(kw_only=True)
 class GhostOptions:
     """How :class:`~opacus_fsdp_sync.PrivacyEngine` runs a ghost-clipping step.
@@ -33,8 +32,10 @@ class GhostOptions:
     the available host memory on CPU."""
     one_backward: bool = True
     """With the activations-only first pass: compute each layer's clipped weight gradient from it
-    and hand it to the API's own reduction, instead of a second backward (one device, FSDP2 and
-    FSDP1; on DDP, or for a layer without a direct formula under FSDP, the two-pass step runs)."""
+    and hand it to the API's reduction instead of a second backward (one device; FSDP2's and
+    FSDP1's own reduce-scatter; DDP: one bucketed all-reduce averaging as DDP does). DDP with a
+    communication hook or its mixed precision, and a layer without a direct formula under FSDP,
+    take the two-pass step (logged)."""
     fast_norms: bool = True
     """Linear ghost norms with each input's Gram matrix computed once for all layers reading it
     (q/k/v, gate/up) and an fp32 elementwise contraction instead of upstream's gemv: equal to

@@ -125,7 +125,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             ``(module, optimizer, criterion, data_loader)`` for ghost modes, as Opacus does.
 
         Raises:
-            UnsupportedConfigurationError: for ghost clipping on FSDP1.
+            UnsupportedConfigurationError: for what the sync-skipping step cannot do (FSDP1
+                layouts, DDP ``static_graph=True``); the message names the way out.
         """
         overrides = dict(
             sync_optimization=sync_optimization,
@@ -167,6 +168,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1", fsdp1=True)
         ours = opts.sync_optimization and not self.secure_mode
         if root.api == DDP and ours and opts.restricted_first_pass:
+            make_controller(root, enabled=True, restricted=True)  # raises early (static_graph)
             return _CallPlan("shared_noise")
         if root.api == FSDP2 and ours and kwargs["grad_sample_mode"] == "ghost_fsdp":
             return _CallPlan("fsdp2")
@@ -192,8 +194,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or ours where the distributed API already reduced gradients.
 
-        ``shared_noise``: gradients arrive averaged (DDP's bucketed all-reduce in the clipped
-        pass, FSDP1 NO_SHARD), no second all-reduce, one noise draw shared by all ranks.
+        ``shared_noise``: gradients arrive averaged (DDP: the one-backward hand-off's bucketed
+        all-reduce, or DDP's own in the clipped pass; FSDP1 NO_SHARD), no second all-reduce, one
+        noise draw shared by all ranks.
         ``fsdp1``: per-rank batch and sharded gradients. ``fsdp2``: noise drawn per local shard.
         """
         from .optimizers import (
@@ -302,10 +305,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _one_backward_handoff(self, module, root, opts):
         """The one-backward hand-off for this model, or None (two passes); logs which and why.
 
-        Available on one device, FSDP2 and FSDP1 (``use_orig_params=True``); DDP, and a hooked
-        layer without a direct gradient formula under FSDP, take the two-pass step.
+        Available on one device, FSDP2, FSDP1 (``use_orig_params=True``) and DDP; a hooked layer
+        without a direct gradient formula under FSDP, and DDP settings the hand-off does not
+        emulate, take the two-pass step.
         """
-        from .one_backward import make_handoff, unsupported_layers
+        from .one_backward import OneBackwardUnavailable, make_handoff, unsupported_layers
 
         if not (opts.one_backward and opts.restricted_first_pass):
             why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
@@ -314,7 +318,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not getattr(module, "batch_first", True):
             logger.info("[Ghost] step: two backward passes (batch_first=False)")
             return None
-        handoff = make_handoff(root.api, root.modules)
+        try:
+            handoff = make_handoff(root.api, root.modules)
+        except OneBackwardUnavailable as err:
+            logger.info("[Ghost] step: two backward passes (%s)", err)
+            return None
         if handoff is None:
             logger.info(
                 "[Ghost] step: two backward passes (one backward not available on %s)", root.api

@@ -37,6 +37,7 @@ def test_ddp_tied_llama_equals_loop():
     for res in run_ranks(workers_ddp.ddp_tied_llama, 2, timeout=300):
         assert 0 < res["clipped"] < res["n"]
         assert res["opt"] == "SharedNoiseDPOptimizer"
+        assert res["one_backward"] is True  # tied weights, RMSNorm: the DDP hand-off
         assert res["vs_loop"] <= 1e-5
 
 

@@ -143,7 +143,8 @@ def ddp_tied_llama(rank: int, world: int) -> dict:
         x = ids[s * b : (s + 1) * b]
         clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
     model = DDP(copy.deepcopy(base))
-    gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost", lr=LR)
+    engine = PrivacyEngine()
+    gsm, opt, crit, _ = make_private(engine, model, (ids,), b, C, "ghost", lr=LR)
     for s in range(2):
         x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
         lm_loss(gsm, crit, x).backward()
@@ -155,6 +156,7 @@ def ddp_tied_llama(rank: int, world: int) -> dict:
         "clipped": int((norms > C).sum()),
         "n": len(norms),
         "opt": type(opt).__name__,
+        "one_backward": engine.one_backward,
     }
 
 

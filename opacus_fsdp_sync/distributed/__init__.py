@@ -1,5 +1,6 @@
 """Distributed-API detection and the per-API gradient-sync controllers."""
 
+from ._ddp_internals import DDPInternalsError
 from ._fsdp2_internals import FSDPInternalsError
 from .controllers import (
     DDPController,
@@ -15,6 +16,7 @@ __all__ = [
     "FSDP1",
     "FSDP2",
     "DDPController",
+    "DDPInternalsError",
     "DistributedRoot",
     "FSDP2Controller",
     "FSDPInternalsError",

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import nn
 
+from . import _ddp_internals as ddp_internals
 from . import _fsdp1_internals as fsdp1
 from . import _fsdp2_internals as internals
 from .detect import DDP, FSDP1, FSDP2, DistributedRoot
@@ -132,9 +133,13 @@ class DDPController:
     """DDP: DDP arms its reducer in forward, so ``no_sync()`` around a backward does nothing.
 
     What skips the first pass's all-reduce is the activations-only first pass: it produces no
-    parameter gradient, so DDP's bucketed all-reduce fires in the clipped second pass instead,
-    and the engine swaps in :class:`~opacus_fsdp_sync.optimizers.SharedNoiseDPOptimizer`, which
-    does not all-reduce again. A step that could not restrict its first pass must therefore fail.
+    parameter gradient, so none of DDP's hooks fires. The clipped gradients are then averaged
+    once: by default by the one-backward hand-off
+    (:class:`~opacus_fsdp_sync.one_backward.ddp.DDPHandoff`, one bucketed all-reduce, DDP's
+    reducer sees nothing in the whole step), otherwise by DDP's own bucketed all-reduce in the
+    clipped second pass. The engine swaps in
+    :class:`~opacus_fsdp_sync.optimizers.SharedNoiseDPOptimizer`, which does not all-reduce
+    again. A step that could not restrict its first pass must therefore fail.
     """
 
     api = DDP
@@ -229,7 +234,8 @@ def make_controller(
 
     Raises:
         UnsupportedConfigurationError: for FSDP1 (its retained-graph double backward fails in
-            torch's FSDP1 itself).
+            torch's FSDP1 itself) without the activations-only pass or with an unsupported
+            layout, and for DDP ``static_graph=True`` with it.
     """
     if root.api == FSDP1:
         if not (enabled and restricted):
@@ -278,5 +284,14 @@ def make_controller(
         if not restricted:
             logger.info("[Ghost] DDP without the activations-only first pass: upstream passes")
             return NullController()
+        if ddp_internals.static_graph(root.modules[0]):
+            # the first iteration's delayed all-reduce fires at the end of the activations-only
+            # pass and marks every parameter unused for good: ranks then step apart, silently
+            raise UnsupportedConfigurationError(
+                "DDP static_graph=True cannot run the activations-only first pass (DDP's "
+                "first-iteration delayed all-reduce would mark every parameter unused and stop "
+                "averaging gradients). Build DDP without static_graph, or pass "
+                "restricted_first_pass=False to PrivacyEngine (upstream's two passes)."
+            )
         return DDPController(root.modules[0])
     raise AssertionError(f"unknown API {root.api!r}")

@@ -82,11 +82,18 @@ def hand_to_single_device(grads: dict) -> None:
 
 
 def make_handoff(api: str | None, modules: list[nn.Module]):
-    """The function that delivers clipped gradients for an API, or None where unsupported.
+    """The function that delivers clipped gradients for an API.
 
     One device: ``p.grad``. FSDP2: each group's unsharded gradients, then FSDP2's own
     post-backward. FSDP1 (``use_orig_params=True``): each handle's unsharded flat gradient, then
-    FSDP1's own post-backward hooks and final callback. DDP: None (two passes).
+    FSDP1's own post-backward hooks and final callback. DDP: one bucketed all-reduce averaging
+    over ranks as DDP's reducer would (:class:`~.ddp.DDPHandoff`).
+
+    Returns:
+        A callable taking :func:`clipped_gradients`'s result, or None for an unknown API.
+
+    Raises:
+        OneBackwardUnavailable: with the reason, for a DDP setting the hand-off does not emulate.
     """
     if api is None:
         return hand_to_single_device
@@ -100,11 +107,22 @@ def make_handoff(api: str | None, modules: list[nn.Module]):
         # Keyed by (module, attribute): FSDP1's own metadata maps a tied weight's uses to one
         # slot of its flat parameter, where they add up (what by_parameter does elsewhere).
         return lambda grads: fsdp1.reduce_clipped_gradients(modules[0], grads)
+    if api == "ddp":
+        from ..distributed import _ddp_internals
+        from .ddp import DDPHandoff
+
+        blocker = _ddp_internals.one_backward_blocker(modules[0])
+        if blocker is not None:
+            raise OneBackwardUnavailable(f"{blocker} is not supported by the DDP hand-off")
+        return DDPHandoff(modules[0])
     return None
 
 
 def unsupported_layers(hooked: list[nn.Module], type_of, api: str | None) -> list[str]:
-    """Names of hooked layer types with no direct formula where the generic path cannot run."""
-    if api is None:
+    """Names of hooked layer types with no direct formula where the generic path cannot run.
+
+    The generic path needs full parameter values: always there on one device and under DDP.
+    """
+    if api in (None, "ddp"):
         return []
     return sorted({type_of(m).__name__ for m in hooked if wg.direct_formula(m, type_of(m)) is None})

@@ -1,11 +1,12 @@
 """A DP optimizer for DDP gradients that arrive averaged, with one noise draw for every rank.
 
-With the activations-only first pass, DDP's bucketed all-reduce runs in the clipped second pass,
-so each rank's ``p.grad`` is the average over ranks of the clipped sums. Upstream's distributed
-optimizer would all-reduce every parameter again. This optimizer skips that and adds, on every
-rank, the same Gaussian draw (rank 0's generator state is broadcast once), scaled for the average:
-the step equals upstream's ``sum/(W b) + noise/(W b)`` and a single process on the global batch
-with the same generator.
+With the activations-only first pass, the clipped gradients are averaged over ranks once before
+``step()``: by the one-backward hand-off's bucketed all-reduce (the default), or by DDP's own in
+the clipped second pass; either way each rank's ``p.grad`` is the average of the clipped sums.
+Upstream's distributed optimizer would all-reduce every parameter again. This optimizer skips
+that and adds, on every rank, the same Gaussian draw (rank 0's generator state is broadcast
+once), scaled for the average: the step equals upstream's ``sum/(W b) + noise/(W b)`` and a
+single process on the global batch with the same generator.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGr
 
 
 class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
-    """``DPOptimizerFastGradientClipping`` for gradients already averaged by DDP.
+    """``DPOptimizerFastGradientClipping`` for gradients already averaged over DDP ranks.
 
     Args:
         optimizer: The wrapped optimizer.
