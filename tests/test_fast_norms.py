@@ -109,3 +109,33 @@ def test_gram_cache_releases_after_last_reader():
 def test_fast_norms_option_is_validated():
     with pytest.raises(ValueError, match="fast_norms"):
         PrivacyEngine(fast_norms="yes")
+
+
+def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup):
+    """Counted: the one-backward step runs the non-private step's matmuls plus the Gram matrices
+    of the norms (6 output Grams + 3 shared input Grams), nothing else."""
+    from torch import nn
+
+    from opacus_fsdp_sync.profiling import PhaseFlopCounter
+
+    base, x, y, C = setup
+    xs, ys = x[:B], y[:B]
+    plain = copy.deepcopy(base)
+    with PhaseFlopCounter() as nodp:
+        logits = plain(xs)
+        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1)).backward()
+    engine = PrivacyEngine()
+    model = copy.deepcopy(base)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
+    assert engine.one_backward
+    with PhaseFlopCounter() as ours:
+        logits = gsm(xs)
+        crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T)).backward()
+        opt.step()
+    outs = [m.out_features for m in (base.q, base.k, base.v, base.gate, base.up, base.down)]
+    ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
+    norm_flops = 2 * B * T * T * (sum(outs) + sum(ins))
+    total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
+    print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, norms {norm_flops}")
+    assert total_ours == total_nodp + norm_flops
+    assert "second_backward" not in ours.flops
