@@ -208,12 +208,13 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         held = {
             id(t): t.numel() * t.element_size()
             for _, inputs, grad in kept
-            for t in [*inputs, grad]
+            for t in (list(grad.values()) if inputs is None else [*inputs, grad])
             if isinstance(t, torch.Tensor)
         }
         if self.context.kept_bytes == 0:
             logger_ghost.info(
-                "[Ghost] one backward holds %.1f MiB of layer inputs and output gradients "
+                "[Ghost] one backward holds %.1f MiB of layer inputs, output gradients and "
+                "per-sample gradients "
                 "between the first pass and the gradient phase",
                 sum(held.values()) / 2**20,
             )

@@ -66,13 +66,22 @@ class PassTrackingMixin:
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Marks the layer as reported, keeps what one backward needs, runs Opacus's norms."""
+        entry = None
+        policy = getattr(self, "per_sample_policy", None)
+        if policy is not None:
+            policy.active = self.keep_for_grads  # only the one-backward step uses them
         if self.hooks_enabled:
             self._reported.add(id(module))
             if self.keep_for_grads and getattr(module, "activations", None):
-                self._kept.append((module, module.activations[-1], forward_output[0].detach()))
-        return super().capture_backprops_hook(
+                entry = (module, module.activations[-1], forward_output[0].detach())
+        result = super().capture_backprops_hook(
             module, forward_input, forward_output, *args, **kwargs
         )
+        psgs = policy.stash.pop(id(module), None) if policy is not None else None
+        if entry is not None:
+            # Per-sample gradients replace the inputs and output gradient (see one_backward).
+            self._kept.append(entry if psgs is None else (module, None, psgs))
+        return result
 
     def take_kept(self) -> list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]]:
         """The kept ``(layer, inputs, output gradient)`` of the last first pass (and forgets)."""
@@ -83,6 +92,9 @@ class PassTrackingMixin:
         """The sources of the last forward (and forgets them); empty when nothing was captured."""
         sources, self._sources = self._sources, []
         self._reported = set()
+        policy = getattr(self, "per_sample_policy", None)
+        if policy is not None:
+            policy.reset()
         return sources
 
     def check_all_reported(self) -> None:

@@ -41,17 +41,29 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         self._trainable = {id(m) for m in self._hooked}
         #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
         self.gram_cache: GramCache | None = None
+        #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.
+        self.per_sample_policy = None
 
-    def use_fast_norms(self) -> None:
-        """Linear ghost norms from shared input Gram matrices (see :mod:`.linear_norm`)."""
+    def use_fast_norms(self, per_sample_policy=None) -> None:
+        """Linear norms from shared input Gram matrices (see :mod:`.linear_norm`).
+
+        Args:
+            per_sample_policy: A :class:`~.one_backward.per_sample.PerSampleGradPolicy` (one
+                backward only): the sequence layers it takes materialise per-sample gradients.
+        """
         self.gram_cache = GramCache()
-        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache)
+        self.per_sample_policy = per_sample_policy
+        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(
+            self.gram_cache, per_sample_policy
+        )
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded, the shared Gram matrices included."""
         super().forget_pass()
         if self.gram_cache is not None:
             self.gram_cache.clear()
+        if self.per_sample_policy is not None:
+            self.per_sample_policy.reset()
 
     def iterate_submodules(self, module: nn.Module):
         """The layers Opacus hooked, as found at wrap time (see ``__init__``)."""

@@ -53,6 +53,16 @@ class GramCache:
             self._readers.pop(k, None)
         return g
 
+    def skip(self, activation: torch.Tensor) -> None:
+        """A reader that will not ask for the Gram (it took per-sample gradients instead)."""
+        k = _key(activation)
+        left = self._readers.get(k, 0)
+        if left > 1:
+            self._readers[k] = left - 1
+        else:
+            self._readers.pop(k, None)
+            self._grams.pop(k, None)
+
     def clear(self) -> None:
         """Forgets every count and Gram (end of a backward, or a failed step)."""
         self._readers.clear()
@@ -67,14 +77,27 @@ def _contract(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
     return torch.mul(a, g, out=torch.empty(a.shape, dtype=torch.float32, device=a.device)).sum(1)
 
 
-def make_linear_norm_sampler(cache: GramCache):
-    """A norm sampler for ``nn.Linear`` (Opacus's signature) that uses ``cache``."""
+def make_linear_norm_sampler(cache: GramCache, policy=None):
+    """A norm sampler for ``nn.Linear`` (Opacus's signature) that uses ``cache``.
+
+    With a :class:`~opacus_fsdp_sync.one_backward.per_sample.PerSampleGradPolicy`, a sequence
+    layer the policy takes gets its norms from materialised per-sample gradients, which are left
+    in ``policy.stash`` for the one-backward gradient phase.
+    """
 
     def linear_norm_sample(
         layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
     ) -> dict:
         a = activations[0]
         out = {}
+        if policy is not None and a.dim() == 3 and policy.take(layer, a, backprops):
+            from .one_backward.per_sample import linear_per_sample_grads, per_sample_norms
+
+            if layer.weight.requires_grad:
+                cache.skip(a)
+            psgs = linear_per_sample_grads(layer, a, backprops)
+            policy.stash[id(layer)] = psgs
+            return {getattr(layer, n): norm for n, norm in per_sample_norms(psgs).items()}
         if a.dim() != 3:  # one token per sample (or flattened): the rank-one formula
             a2 = a.reshape(a.shape[0], -1, a.shape[-1])
             g2 = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])

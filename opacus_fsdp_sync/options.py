@@ -41,10 +41,26 @@ class GhostOptions:
     (q/k/v, gate/up) and an fp32 elementwise contraction instead of upstream's gemv: equal to
     upstream to fp32 rounding, not bit for bit. False keeps upstream's norm kernels (then the
     two-pass options reproduce upstream Opacus bit for bit)."""
+    per_sample_grads: bool | str = "auto"
+    """One backward with ``fast_norms``: sequence ``Linear`` layers materialise per-sample
+    gradients in the first pass (norms and clipped gradient from them, no ghost norm; see
+    :mod:`opacus_fsdp_sync.one_backward.per_sample`). ``"auto"``: where that saves FLOPs, while
+    the step's per-sample gradients fit ``per_sample_grads_budget_bytes``; True: every sequence
+    Linear layer that fits; False: ghost norms only."""
+    per_sample_grads_budget_bytes: int | None = None
+    """Budget of per-sample gradient bytes per step. None: a quarter of the free CUDA memory, or
+    an eighth of the available host memory on CPU."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.per_sample_grads, bool) or self.per_sample_grads == "auto"):
+            raise ValueError(
+                f"per_sample_grads={self.per_sample_grads!r}: choose True, False or 'auto'"
+            )
+        psg_budget = self.per_sample_grads_budget_bytes
+        if psg_budget is not None and psg_budget < 0:
+            raise ValueError(f"per_sample_grads_budget_bytes={psg_budget}: must be >= 0")
         if not (isinstance(self.keep_unsharded, bool) or self.keep_unsharded == "auto"):
             raise ValueError(
                 f"keep_unsharded={self.keep_unsharded!r}: choose True, False or 'auto'"
@@ -67,6 +83,7 @@ class GhostOptions:
             keep_unsharded=False,
             one_backward=False,
             fast_norms=False,
+            per_sample_grads=False,
             timing=self.timing,
         )
 

@@ -59,7 +59,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         secure_mode: As in Opacus.
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
-            ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``timing``).
+            ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``,
+            ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``timing``).
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
@@ -107,6 +108,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         keep_unsharded_budget_bytes: int | None = None,
         one_backward: bool | None = None,
         fast_norms: bool | None = None,
+        per_sample_grads: bool | str | None = None,
+        per_sample_grads_budget_bytes: int | None = None,
         **kwargs,
     ):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
@@ -119,6 +122,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded_budget_bytes: Likewise.
             one_backward: Likewise.
             fast_norms: Likewise.
+            per_sample_grads: Likewise.
+            per_sample_grads_budget_bytes: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
 
         Returns:
@@ -136,6 +141,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
             one_backward=one_backward,
             fast_norms=fast_norms,
+            per_sample_grads=per_sample_grads,
+            per_sample_grads_budget_bytes=per_sample_grads_budget_bytes,
         )
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
@@ -298,9 +305,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
         if opts.fast_norms and hasattr(module, "use_fast_norms"):
-            module.use_fast_norms()
+            policy = self._per_sample_policy(opts, device) if handoff is not None else None
+            module.use_fast_norms(policy)
             logger.info("[Ghost] Linear norms: shared input Gram matrices (fast_norms=True)")
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
+
+    @staticmethod
+    def _per_sample_policy(opts: GhostOptions, device: torch.device):
+        """The per-sample gradient policy of the one-backward step, or None; logs it."""
+        from .one_backward.per_sample import PerSampleGradPolicy
+        from .options import default_budget
+
+        if opts.per_sample_grads is False:
+            logger.info("[Ghost] per-sample gradients: off (ghost norms for every layer)")
+            return None
+        budget = opts.per_sample_grads_budget_bytes
+        budget = default_budget(device) // 2 if budget is None else budget
+        logger.info(
+            "[Ghost] per-sample gradients of sequence Linear layers (%s), up to %.1f MiB per step",
+            "where cheaper than ghost norms" if opts.per_sample_grads == "auto" else "all",
+            budget / 2**20,
+        )
+        return PerSampleGradPolicy(budget, only_when_cheaper=opts.per_sample_grads == "auto")
 
     def _one_backward_handoff(self, module, root, opts):
         """The one-backward hand-off for this model, or None (two passes); logs which and why.

@@ -111,9 +111,11 @@ def test_fast_norms_option_is_validated():
         PrivacyEngine(fast_norms="yes")
 
 
-def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup):
-    """Counted: the one-backward step runs the non-private step's matmuls plus the Gram matrices
-    of the norms (6 output Grams + 3 shared input Grams), nothing else."""
+@pytest.mark.parametrize("per_sample", [False, "auto"])
+def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup, per_sample):
+    """Counted: the one-backward step runs the non-private step's matmuls plus, with ghost norms,
+    the Gram matrices (6 output Grams + 3 shared input Grams), or, with per-sample gradients, one
+    weighted sum per parameter (``2 N d_in d_out``): nothing else."""
     from torch import nn
 
     from opacus_fsdp_sync.profiling import PhaseFlopCounter
@@ -124,7 +126,7 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup):
     with PhaseFlopCounter() as nodp:
         logits = plain(xs)
         nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1)).backward()
-    engine = PrivacyEngine()
+    engine = PrivacyEngine(per_sample_grads=per_sample)
     model = copy.deepcopy(base)
     gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
     assert engine.one_backward
@@ -132,10 +134,42 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup):
         logits = gsm(xs)
         crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T)).backward()
         opt.step()
-    outs = [m.out_features for m in (base.q, base.k, base.v, base.gate, base.up, base.down)]
-    ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
-    norm_flops = 2 * B * T * T * (sum(outs) + sum(ins))
+    layers = (base.q, base.k, base.v, base.gate, base.up, base.down)
+    if per_sample:
+        assert gsm.per_sample_policy.taken == len(layers)
+        extra = sum(2 * B * p.numel() for m in layers for p in m.parameters())
+    else:
+        outs = [m.out_features for m in layers]
+        ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
+        extra = 2 * B * T * T * (sum(outs) + sum(ins))
     total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
-    print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, norms {norm_flops}")
-    assert total_ours == total_nodp + norm_flops
+    print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, extra {extra}")
+    assert total_ours == total_nodp + extra
     assert "second_backward" not in ours.flops
+
+
+@pytest.mark.parametrize("budget_layers", [0, 2])
+def test_per_sample_budget_mixes_paths_and_stays_exact(setup, budget_layers):
+    """A budget for only some layers: those take per-sample gradients, the rest ghost norms."""
+    base, x, y, C = setup
+    one_layer = B * base.down.in_features * base.down.out_features * 4  # down: first in backward
+    budget = one_layer * budget_layers
+    engine = PrivacyEngine(per_sample_grads=True, per_sample_grads_budget_bytes=budget)
+    ours, gsm = _train(engine, base, x, y, C)
+    policy = gsm.per_sample_policy
+    assert policy.used_bytes <= budget
+    assert (policy.taken > 0) is (budget_layers > 0) and policy.declined > 0
+    ghost, _ = _train(PrivacyEngine(per_sample_grads=False), base, x, y, C)
+    assert _diff(ours, ghost) <= 1e-6
+    ref = copy.deepcopy(base)
+    for s in range(2):
+        sl = slice(s * B, (s + 1) * B)
+        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
+    assert _diff(ours, {n: p.detach() for n, p in ref.named_parameters()}) <= 1e-6
+
+
+def test_per_sample_grads_option_is_validated():
+    with pytest.raises(ValueError, match="per_sample_grads"):
+        PrivacyEngine(per_sample_grads="sometimes")
+    with pytest.raises(ValueError, match="per_sample_grads_budget_bytes"):
+        PrivacyEngine(per_sample_grads_budget_bytes=-1)

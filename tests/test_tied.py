@@ -23,8 +23,8 @@ warnings.filterwarnings("ignore")
 TOL = 1e-5
 
 
-def _private(model, x, y, C, batch):
-    return make_private(PrivacyEngine(), model, (x, y), batch, C, "ghost", lr=0.1)
+def _private(model, x, y, C, batch, **options):
+    return make_private(PrivacyEngine(**options), model, (x, y), batch, C, "ghost", lr=0.1)
 
 
 @pytest.mark.distributed
@@ -37,6 +37,7 @@ def test_llama_tied_and_untied_equal_clip_each_sample_loop(tie):
         for norms in res["ref_norms"]:
             assert 0 < sum(n > C for n in norms) < len(norms)  # clipping active
         assert max(res["fsdp_vs_loop"]) <= TOL  # FSDP2, 2 ranks
+        assert res["fsdp_per_sample_layers"] > 0  # the per-sample gradient path ran
         b = workers_tied.B_LOCAL
         for step, ref in enumerate(res["ref_norms"]):
             assert res["fsdp_norms"][step] == pytest.approx(
@@ -135,7 +136,8 @@ def test_tied_norm_allocates_nothing_vocab_by_hidden_per_sample():
     V, H = model.config.vocab_size, model.config.hidden_size
     N, T = 6, 12
     ids = torch.randint(1, V, (N, T))
-    gsm, opt, crit, _ = _private(model, ids, ids, 1.0, N)
+    # The cross term's own memory: without the (budgeted) per-sample gradients of one backward.
+    gsm, opt, crit, _ = _private(model, ids, ids, 1.0, N, per_sample_grads=False)
     assert type(gsm).__name__ == "GhostGradSampleModule"
     loss = lm_loss(gsm, crit, ids)
     probe = _LargestTensor()

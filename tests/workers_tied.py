@@ -34,6 +34,7 @@ def _train(engine, base, ids, rank, world, C, steps, fsdp, mixed_precision="fp32
     b = B_LOCAL * world
     mode = "ghost_fsdp" if fsdp else "ghost"
     gsm, opt, crit, _ = make_private(engine, model, (ids,), b, C, mode, lr=LR)
+    _train.last_gsm = gsm
     params, norms = [], []
     for s in range(steps):
         x = ids[s * b : (s + 1) * b]
@@ -84,6 +85,8 @@ def tied_llama(rank: int, world: int, tie: bool = True, steps: int = 2) -> dict:
     )
     fsdp_p, fsdp_n = _train(PrivacyEngine(), base, ids, rank, world, C, steps, fsdp=True)
     out["fsdp_vs_loop"] = [_diff(p, r) for p, r in zip(fsdp_p, ref_params)]
+    policy = getattr(_train.last_gsm, "per_sample_policy", None)
+    out["fsdp_per_sample_layers"] = policy.taken if policy is not None else 0
     out["fsdp_norms"] = fsdp_n
     up_p, _ = _train(opacus.PrivacyEngine(), base, ids, rank, world, C, steps, fsdp=True)
     out["upstream_vs_loop"] = [_diff(p, r) for p, r in zip(up_p, ref_params)]

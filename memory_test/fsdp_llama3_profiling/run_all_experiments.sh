@@ -19,7 +19,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 fi
 TASK=${TASK:-causal_lm}
-MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_keep ghost_fsdp_restricted ghost_fsdp_parity ghost_fsdp_one_backward"}
+MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_keep ghost_fsdp_restricted ghost_fsdp_parity ghost_fsdp_one_backward_ghost_norms ghost_fsdp_one_backward"}
 TIE_VARIANTS=${TIE_VARIANTS:-preset}
 FSDP_APIS=${FSDP_APIS:-fsdp2}
 STRATEGY=${STRATEGY:-full}

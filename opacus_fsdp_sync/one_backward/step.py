@@ -7,6 +7,7 @@ import logging
 import torch
 from torch import nn
 
+from . import per_sample
 from . import weight_grads as wg
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
 
     Args:
         kept: ``(module, inputs, grad_out)`` per layer, as the first pass left them (``grad_out``
-            the raw gradient of the reduced loss w.r.t. the layer's output, batch first).
+            the raw gradient of the reduced loss w.r.t. the layer's output, batch first), or
+            ``(module, None, per-sample gradients by parameter name)`` for a layer that
+            materialised them (:mod:`.per_sample`: already per sample loss, so no rescaling).
         coef: Per-sample clipping coefficients ``(N,)``.
         loss_reduction: ``"mean"`` or ``"sum"``.
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
@@ -36,6 +39,12 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
     out = {}
     scales: dict[tuple, torch.Tensor] = {}
     for module, inputs, grad_out in kept:
+        if inputs is None:  # per-sample gradients materialised in the first pass
+            first = next(iter(grad_out.values()))
+            scale = coef.to(device=first.device, dtype=torch.float32)
+            for name, g in per_sample.clipped_sum(grad_out, scale).items():
+                out[(id(module), name)] = (module, name, g)
+            continue
         n = grad_out.shape[0]
         key = (grad_out.device, n)
         if key not in scales:

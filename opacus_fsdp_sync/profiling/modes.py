@@ -65,10 +65,19 @@ MODES: dict[str, ModeSpec] = {
         },
         description="ours: both (the non-private step's collectives)",
     ),
+    "ghost_fsdp_one_backward_ghost_norms": ModeSpec(
+        private=True,
+        engine_kwargs={
+            "restricted_first_pass": True,
+            "one_backward": True,
+            "per_sample_grads": False,
+        },
+        description="ours: one backward, ghost norms for every layer (no per-sample gradients)",
+    ),
     "ghost_fsdp_one_backward": ModeSpec(
         private=True,
         engine_kwargs={"restricted_first_pass": True, "one_backward": True},
-        description="ours (default): one backward, clipped gradients from the first pass",
+        description="ours (default): one backward, per-sample gradients where cheaper",
     ),
 }
 
