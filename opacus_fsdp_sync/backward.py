@@ -134,6 +134,9 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         controller, timer = self.context.controller, self.context.timer
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
         timer.flush()  # previous step's CUDA events, if any were left pending
+        prefetch = getattr(self.optimizer, "prefetch_noise", None)
+        if prefetch is not None:  # the noise is drawn while this backward runs
+            prefetch()
         tracking = hasattr(self.module, "take_first_pass_sources")
         sources = self.module.take_first_pass_sources() if tracking else []
         restricted = self.context.restricted_first_pass and bool(sources)

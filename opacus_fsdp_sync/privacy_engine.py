@@ -313,7 +313,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     @staticmethod
     def _per_sample_policy(opts: GhostOptions, device: torch.device):
         """The per-sample gradient policy of the one-backward step, or None; logs it."""
-        from .one_backward.per_sample import PerSampleGradPolicy
+        from .one_backward.per_sample import PerSampleGradPolicy, machine_balance
         from .options import default_budget
 
         if opts.per_sample_grads is False:
@@ -326,7 +326,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
             "where cheaper than ghost norms" if opts.per_sample_grads == "auto" else "all",
             budget / 2**20,
         )
-        return PerSampleGradPolicy(budget, only_when_cheaper=opts.per_sample_grads == "auto")
+        return PerSampleGradPolicy(
+            budget,
+            only_when_cheaper=opts.per_sample_grads == "auto",
+            flops_per_byte=machine_balance(device),
+        )
 
     def _one_backward_handoff(self, module, root, opts):
         """The one-backward hand-off for this model, or None (two passes); logs which and why.

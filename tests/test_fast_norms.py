@@ -62,10 +62,11 @@ def _diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("one_backward", [True, False])
-def test_fast_norms_equal_upstream_and_loop(setup, one_backward):
+@pytest.mark.parametrize("one_backward,per_sample", [(True, True), (True, False), (False, False)])
+def test_fast_norms_equal_upstream_and_loop(setup, one_backward, per_sample):
     base, x, y, C = setup
-    ours, gsm = _train(PrivacyEngine(one_backward=one_backward), base, x, y, C)
+    engine = PrivacyEngine(one_backward=one_backward, per_sample_grads=per_sample)
+    ours, gsm = _train(engine, base, x, y, C)
     assert gsm.gram_cache is not None
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
     ref = copy.deepcopy(base)
@@ -111,7 +112,7 @@ def test_fast_norms_option_is_validated():
         PrivacyEngine(fast_norms="yes")
 
 
-@pytest.mark.parametrize("per_sample", [False, "auto"])
+@pytest.mark.parametrize("per_sample", [False, True])
 def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup, per_sample):
     """Counted: the one-backward step runs the non-private step's matmuls plus, with ghost norms,
     the Gram matrices (6 output Grams + 3 shared input Grams), or, with per-sample gradients, one
@@ -173,3 +174,21 @@ def test_per_sample_grads_option_is_validated():
         PrivacyEngine(per_sample_grads="sometimes")
     with pytest.raises(ValueError, match="per_sample_grads_budget_bytes"):
         PrivacyEngine(per_sample_grads_budget_bytes=-1)
+
+
+def test_per_sample_cost_rule_follows_the_machine_balance():
+    from opacus_fsdp_sync.one_backward.per_sample import PerSampleGradPolicy, machine_balance
+
+    cpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(torch.device("cpu")))
+    gpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(torch.device("cuda")))
+    assert cpu.cheaper(128, 256, 688, 4)  # the small preset's MLP at seq 128: per-sample
+    assert not cpu.cheaper(10, 16, 12, 4)  # short sequences, tiny layers: ghost norms
+    assert not gpu.cheaper(1024, 2048, 8192, 2)  # Llama-3.2-1B MLP at 1024 tokens: ghost
+    assert gpu.cheaper(8192, 2048, 2048, 2)  # long sequences: per-sample
+    auto = PrivacyEngine()
+    model = copy.deepcopy(SharedInputSeqNet(D))
+    x, y = torch.randn(B, T, D), torch.randint(0, 8, (B, T))
+    gsm, opt, crit, _ = make_private(auto, model, (x, y), B, 1.0, "ghost")
+    logits = gsm(x)
+    crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(B, T)).backward()
+    assert gsm.per_sample_policy.taken == 0  # "auto" on CPU: this model is cheaper with ghost

@@ -58,3 +58,10 @@ def test_fsdp1_shards_draw_independent_noise():
     assert m > 1000
     assert not torch.allclose(a[:m], b[:m])
     assert abs(torch.corrcoef(torch.stack([a[:m], b[:m]]))[0, 1].item()) < 0.1
+
+
+def test_noise_drawn_during_the_backward_equals_the_draw_at_step_time():
+    for res in run_ranks(workers_noise.prefetch_vs_draw_at_step, 2, timeout=300):
+        assert res["plain"]["moved"] > 1e-2 and res["virtual"]["moved"] > 1e-2
+        assert res["plain"]["diff"] == 0.0  # same generator, same draws, same order
+        assert res["virtual"]["diff"] <= 1e-6 * res["virtual"]["moved"]  # rescaled at the step

@@ -127,3 +127,53 @@ def fsdp1_local_noise(rank: int, world: int) -> torch.Tensor:
     noisy = _local(_step(base, x, y, rank, world, "full", 1.0, "fsdp1")[0])
     clean = _local(_step(base, x, y, rank, world, "full", 0.0, "fsdp1")[0])
     return torch.cat([(clean[n] - noisy[n]).flatten() for n in clean])
+
+
+def prefetch_vs_draw_at_step(rank: int, world: int) -> dict:
+    """The noise drawn during the backward (default) against the noise drawn at step time.
+
+    Two runs per case with the same noise seed: plain steps (the same draw, so bit for bit), and
+    a virtual step (two micro-batches, so the drawn standard deviation is rescaled at the step).
+    """
+    torch.manual_seed(0)
+    base = Wide()
+    x, y = _data(world, 3)
+    y = y % 64
+    b = B_LOCAL * world
+    out = {}
+    for case, micro in (("plain", 1), ("virtual", 2)):
+        params = {}
+        for prefetch in (True, False):
+            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+            model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+            gsm, opt, crit, _ = make_private(
+                PrivacyEngine(),
+                model,
+                (x, y),
+                b,
+                1.0,
+                "ghost_fsdp",
+                noise=1.0,
+                lr=1.0,
+                noise_generator=torch.Generator().manual_seed(7),
+            )
+            if not prefetch:
+                opt.prefetch_noise = lambda: None
+            for s in range(2):
+                xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
+                lo = rank * B_LOCAL
+                mb = B_LOCAL // micro
+                for m in range(micro):
+                    sl = slice(lo + m * mb, lo + (m + 1) * mb)
+                    crit(gsm(xs[sl]), ys[sl]).backward()
+                    if m < micro - 1:
+                        opt.signal_skip_step(do_skip=True)
+                    opt.step()
+                    opt.zero_grad()
+            params[prefetch] = _full_params(model)
+        start = _full_params(shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu")))
+        out[case] = {
+            "diff": max((params[True][n] - params[False][n]).abs().max().item() for n in start),
+            "moved": max((params[True][n] - start[n]).abs().max().item() for n in start),
+        }
+    return out

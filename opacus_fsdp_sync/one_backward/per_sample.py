@@ -5,10 +5,11 @@ and output gradient ``G`` (``T x d_in`` and ``T x d_out`` per sample). Its ghost
 ``2 T^2 (d_in + d_out)`` FLOPs per sample on top. Materialising the per-sample gradients
 ``G_n^T A_n`` instead costs what the batched weight gradient costs (``2 T d_in d_out`` per sample)
 and gives both the norms and, once the clipping coefficients ``c`` are known, the clipped gradient
-``sum_n c_n G_n^T A_n`` as one small matrix-vector product. So the ghost norm's FLOPs are saved
-whenever ``T^2 (d_in + d_out) > 2 d_in d_out`` (the per-sample gradients' norm and weighted sum
-cost about ``4 d_in d_out``), at the price of holding ``N d_in d_out`` values per layer until the
-coefficients are known: a byte budget per step decides how many layers take this path.
+``sum_n c_n G_n^T A_n`` as one small matrix-vector product. The ghost norm's FLOPs are saved;
+the per-sample gradients cost memory traffic (``N d_in d_out`` values written and read twice)
+and memory (held per layer until the coefficients are known). ``"auto"`` weighs the FLOPs
+against the traffic with the machine's balance (a CPU core: sequences of a few dozen tokens and
+up; an H100 in bf16: rarely at T = 1024), and a byte budget per step caps the memory.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class PerSampleGradPolicy:
 
     budget_bytes: int
     only_when_cheaper: bool = True
+    flops_per_byte: float = 10.0
+    """Machine balance for the cost rule: the ghost norm's FLOPs are weighed against the bytes
+    the per-sample gradients move (written once, read for the norm and for the weighted sum).
+    About 10 for a CPU core, 400 on CUDA (:func:`machine_balance`)."""
     active: bool = False
     """Set per backward by the first pass: True only when its gradients will be kept."""
     used_bytes: int = 0
@@ -41,13 +46,24 @@ class PerSampleGradPolicy:
         self.used_bytes = self.taken = self.declined = 0
         self.stash.clear()
 
+    def cheaper(self, t: int, d_in: int, d_out: int, element_size: int) -> bool:
+        """Whether per-sample gradients beat the ghost norm for one sample of this layer.
+
+        Ghost norm: ``2 T^2 (d_in + d_out)`` FLOPs. Per-sample gradients: the same matmul FLOPs
+        as the weight gradient they replace, plus ``4 d_in d_out`` FLOPs and
+        ``3 d_in d_out`` element reads and writes, priced at ``flops_per_byte``.
+        """
+        ghost = 2 * t * t * (d_in + d_out)
+        direct = 4 * d_in * d_out + self.flops_per_byte * 3 * d_in * d_out * element_size
+        return ghost > direct
+
     def take(self, layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> bool:
         """Whether ``layer`` (input ``a``: ``(N, T, d_in)``) materialises; accounts its bytes."""
         if not self.active:
             return False
         n, t, d_in = a.shape
         d_out = g.shape[-1]
-        if self.only_when_cheaper and t * t * (d_in + d_out) <= 2 * d_in * d_out:
+        if self.only_when_cheaper and not self.cheaper(t, d_in, d_out, g.element_size()):
             return False
         nbytes = n * d_in * d_out * g.element_size()
         if self.used_bytes + nbytes > self.budget_bytes:
@@ -56,6 +72,16 @@ class PerSampleGradPolicy:
         self.used_bytes += nbytes
         self.taken += 1
         return True
+
+
+def machine_balance(device: torch.device) -> float:
+    """FLOPs per byte of memory traffic the cost rule assumes: 400 on CUDA, 10 on CPU.
+
+    An H100 in bf16 has about 200 (about 600 TFLOP/s against 3 TB/s); 400 is what one measured
+    run asked for (Llama-3.2-1B shape, T = 1024, batch 8: per-sample gradients 5 % slower than
+    ghost norms), so CUDA takes per-sample gradients only where they win clearly.
+    """
+    return 400.0 if device.type == "cuda" else 10.0
 
 
 def linear_per_sample_grads(
@@ -79,11 +105,22 @@ def per_sample_norms(psgs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def clipped_sum(psgs: dict[str, torch.Tensor], scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``sum_n scale_n psg_n`` per parameter (fp32 accumulation, result in the psg dtype)."""
+    """``sum_n scale_n psg_n`` per parameter, in the psg dtype.
+
+    fp32: one matrix-vector product. Lower precision: the fp32 coefficients are split into a
+    high and a low part in that dtype (``hi + lo`` carries about 16 significant bits), so two
+    products of the stored per-sample gradients replace converting them to fp32; each product
+    accumulates in fp32 and the result has the dtype's own rounding, as a batched matmul would.
+    """
     out = {}
     for name, t in psgs.items():
         flat = t.flatten(1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        out[name] = (scale.view(1, -1) @ flat).view(t.shape[1:]).to(t.dtype)
+        row = scale.view(1, -1)
+        if flat.dtype == torch.float32:
+            res = row @ flat
+        else:
+            hi = row.to(flat.dtype)
+            lo = (row - hi.float()).to(flat.dtype)
+            res = ((hi @ flat).float() + (lo @ flat).float()).to(flat.dtype)
+        out[name] = res.view(t.shape[1:])
     return out

@@ -87,6 +87,43 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
+    def _noise_plan(self, accumulated: int) -> tuple[float, float, float]:
+        """``(factor, std_e, weight)`` for :meth:`add_noise` with ``accumulated`` iterations."""
+        std = (
+            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        )
+        if self.loss_reduction == "mean":
+            factor = 1.0 / (self.expected_batch_size * accumulated)
+            std = std / self.world_size * factor
+        else:  # FSDP averaged the gradients: the sum is world_size times that
+            factor = float(self.world_size)
+        weight = 1.0 - factor
+        return factor, (std / abs(weight) if weight else std), weight
+
+    def _noise_sizes(self) -> dict[tuple, int]:
+        sizes: dict[tuple, int] = {}
+        for p in self.params:
+            local = self._local(p)
+            key = (local.dtype, local.device)
+            sizes[key] = sizes.get(key, 0) + local.numel()
+        return sizes
+
+    def prefetch_noise(self) -> None:
+        """Starts drawing the next step's noise now, to overlap the backward.
+
+        A background thread on CPU, a side stream on CUDA; :meth:`add_noise` waits for it.
+        Called by the engine at the start of every private backward; a draw not yet consumed
+        (a skipped step) is kept for the next real step. Same seed, same noise as without it.
+        """
+        if getattr(self, "_prefetched", None) is not None:
+            return
+        _, std_e, _ = self._noise_plan(1)
+        if std_e == 0 or not self.params:
+            return
+        from .noise_prefetch import NoisePrefetch
+
+        self._prefetched = NoisePrefetch(self._noise_sizes(), std_e, self.generator)
+
     def add_noise(self) -> None:
         """``p.grad = factor * summed + noise`` on the local shards, in one pass after the draw.
 
@@ -94,18 +131,12 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
         accumulated iterations)`` for a mean loss; ``world_size`` for a sum, since FSDP averaged
         the gradients), so the scaling is folded in here and :meth:`scale_grad` does nothing.
         Works on the local tensors in place (no DTensor dispatch per parameter): one Gaussian
-        draw per dtype and device for all shards together, then one ``_foreach_lerp_``:
+        draw per dtype and device for all shards together (prefetched during the backward when
+        :meth:`prefetch_noise` was called), then one ``_foreach_lerp_``:
         ``lerp(g, e, w) = (1 - w) g + w e`` with ``w = 1 - factor`` and ``e`` drawn with standard
         deviation ``std / |w|`` is ``factor * g`` plus noise of standard deviation ``std``.
         """
-        std = (
-            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
-        )
-        if self.loss_reduction == "mean":
-            factor = 1.0 / (self.expected_batch_size * self.accumulated_iterations)
-            std = std / self.world_size * factor
-        else:  # FSDP averaged the gradients: the sum is world_size times that
-            factor = float(self.world_size)
+        factor, std_e, weight = self._noise_plan(self.accumulated_iterations)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for p in self.params:
             summed = self.grad_state[p]["summed_grad"]
@@ -113,14 +144,18 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             local = self._local(p.grad)
             groups.setdefault((local.dtype, local.device), []).append(local)
         self._scaled = True
-        weight = 1.0 - factor
-        for (dtype, device), locals_ in groups.items():
-            if std == 0:
-                if factor != 1.0:
+        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
+        if std_e == 0:
+            if factor != 1.0:
+                for locals_ in groups.values():
                     torch._foreach_mul_(locals_, factor)
-                continue
-            flat = torch.empty(sum(t.numel() for t in locals_), dtype=dtype, device=device)
-            flat.normal_(0.0, std / abs(weight) if weight else std, generator=self.generator)
+            return
+        flats = prefetched.take(std_e) if prefetched is not None else {}
+        for key, locals_ in groups.items():
+            flat = flats.get(key)
+            if flat is None:
+                flat = torch.empty(sum(t.numel() for t in locals_), dtype=key[0], device=key[1])
+                flat.normal_(0.0, std_e, generator=self.generator)
             noises = [
                 n.view_as(t) for n, t in zip(flat.split([t.numel() for t in locals_]), locals_)
             ]

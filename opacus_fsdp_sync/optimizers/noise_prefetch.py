@@ -1,0 +1,78 @@
+"""Drawing the next step's Gaussian noise while the backward runs.
+
+The noise does not depend on the gradients, so it can be drawn before they exist: in a
+background thread on CPU (the draw releases the GIL and fills the time the main thread spends
+waiting for collectives), on a side stream on CUDA. The draws come from the optimizer's own
+generator in the same order as a draw at step time, so a seed gives the same noise either way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class NoisePrefetch:
+    """One pending draw: a flat buffer per ``(dtype, device)`` of ``N(0, std^2)`` samples.
+
+    Args:
+        sizes: ``{(dtype, device): numel}`` of the flat buffers, in the order they are drawn.
+        std: The standard deviation drawn with.
+        generator: The generator to draw from (used by nothing else until :meth:`take`).
+    """
+
+    def __init__(self, sizes: dict[tuple, int], std: float, generator: torch.Generator):
+        self.std = std
+        self._error: BaseException | None = None
+        self._event = None
+        self._thread = None
+        cuda = [dev for (_, dev) in sizes if dev.type == "cuda"]
+        if cuda:
+            stream = torch.cuda.Stream(cuda[0])
+            stream.wait_stream(torch.cuda.current_stream(cuda[0]))
+            with torch.cuda.stream(stream):
+                self.buffers = self._draw(sizes, std, generator)
+            self._event = stream.record_event()
+        else:
+            self.buffers = {k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+            self._thread = threading.Thread(
+                target=self._fill, args=(std, generator), daemon=True, name="dp-noise-prefetch"
+            )
+            self._thread.start()
+
+    @staticmethod
+    def _draw(sizes, std, generator) -> dict[tuple, torch.Tensor]:
+        out = {}
+        for (dtype, device), n in sizes.items():
+            out[(dtype, device)] = torch.empty(n, dtype=dtype, device=device).normal_(
+                0.0, std, generator=generator
+            )
+        return out
+
+    def _fill(self, std: float, generator: torch.Generator) -> None:
+        try:
+            for buf in self.buffers.values():
+                buf.normal_(0.0, std, generator=generator)
+        except BaseException as err:  # re-raised in take()
+            self._error = err
+
+    def take(self, std: float) -> dict[tuple, torch.Tensor]:
+        """Waits for the draw; returns the buffers, rescaled if ``std`` differs from the drawn one.
+
+        Raises:
+            BaseException: whatever the background draw raised.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+        if self._event is not None:
+            current = torch.cuda.current_stream(self._event.device)
+            current.wait_event(self._event)
+            for buf in self.buffers.values():
+                buf.record_stream(current)
+        if std != self.std:
+            for buf in self.buffers.values():
+                buf.mul_(std / self.std)
+        return self.buffers
