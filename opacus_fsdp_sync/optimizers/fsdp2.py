@@ -72,17 +72,21 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(generator, device, shard_coordinate(self.params))
 
+    @torch.no_grad()
     def accumulate(self) -> None:
-        """Like Opacus, without a copy when this step is not accumulated over several calls."""
+        """Like Opacus, without a copy when this step is not accumulated over several calls.
+
+        Under ``no_grad`` (DTensor ops then skip their autograd wrappers).
+        """
         keep = bool(self._check_skip_next_step(pop_next=False))
         for p in self.params:
             state = self.grad_state[p]
             if state["summed_grad"] is not None:
-                state["summed_grad"].add_(p.grad.data)
+                state["summed_grad"].add_(p.grad)
             elif keep:  # later backward passes zero p.grad in place
-                state["summed_grad"] = p.grad.detach().clone()
+                state["summed_grad"] = p.grad.clone()
             else:
-                state["summed_grad"] = p.grad.detach()
+                state["summed_grad"] = p.grad
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -124,6 +128,7 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
 
         self._prefetched = NoisePrefetch(self._noise_sizes(), std_e, self.generator)
 
+    @torch.no_grad()
     def add_noise(self) -> None:
         """``p.grad = factor * summed + noise`` on the local shards, in one pass after the draw.
 
@@ -164,6 +169,7 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             else:
                 torch._foreach_add_(locals_, noises)
 
+    @torch.no_grad()
     def scale_grad(self) -> None:
         """Nothing when :meth:`add_noise` already scaled (always, in a step); else as Opacus."""
         if getattr(self, "_scaled", False):
