@@ -180,9 +180,12 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                         self.module.forget_pass()
                     self.optimizer.original_optimizer.zero_grad(set_to_none=True)
         try:
-            # As upstream, drop what the first pass left; to None rather than zero-filled, so FSDP
-            # and autograd assign the clipped gradients instead of adding them to zeros.
-            self.optimizer.zero_grad(set_to_none=True)
+            # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
+            # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
+            # so a parameter this step did not use still gets its noise.
+            self.optimizer.zero_grad(
+                set_to_none=getattr(self.optimizer, "accepts_none_grads", False)
+            )
             coeff = self.module.get_clipping_coef()
             if one:
                 self._deliver_clipped_gradients(coeff)

@@ -35,12 +35,14 @@ class GramCache:
 
     def note_input(self, activation: torch.Tensor) -> None:
         """Forward hook side: one more ``Linear`` reads ``activation``."""
-        if activation.dim() == 3:
+        if activation.dim() == 3 and type(activation) is torch.Tensor:  # not a DTensor
             k = _key(activation)
             self._readers[k] = self._readers.get(k, 0) + 1
 
     def gram(self, activation: torch.Tensor) -> torch.Tensor:
         """``A A^T`` per sample ``(N, T, T)``, computed once while more readers are to come."""
+        if type(activation) is not torch.Tensor:  # a DTensor: not cached
+            return torch.bmm(activation, activation.transpose(1, 2))
         k = _key(activation)
         left = self._readers.get(k, 0)
         g = self._grams.pop(k, None)
@@ -55,6 +57,8 @@ class GramCache:
 
     def skip(self, activation: torch.Tensor) -> None:
         """A reader that will not ask for the Gram (it took per-sample gradients instead)."""
+        if type(activation) is not torch.Tensor:
+            return
         k = _key(activation)
         left = self._readers.get(k, 0)
         if left > 1:
@@ -70,11 +74,11 @@ class GramCache:
 
 
 def _contract(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
-    """``<aat_n, ggt_n>`` per sample: products formed and summed in fp32 (two kernels)."""
+    """``<aat_n, ggt_n>`` per sample: products formed and summed in fp32."""
     a, g = aat.flatten(1), ggt.flatten(1)
     if a.dtype == g.dtype == torch.float32:
         return (a * g).sum(1)
-    return torch.mul(a, g, out=torch.empty(a.shape, dtype=torch.float32, device=a.device)).sum(1)
+    return (a.float() * g).sum(1)  # fp32 promotion: each product formed in fp32
 
 
 def make_linear_norm_sampler(cache: GramCache, policy=None):

@@ -65,3 +65,16 @@ def test_noise_drawn_during_the_backward_equals_the_draw_at_step_time():
         assert res["plain"]["moved"] > 1e-2 and res["virtual"]["moved"] > 1e-2
         assert res["plain"]["diff"] == 0.0  # same generator, same draws, same order
         assert res["virtual"]["diff"] <= 1e-6 * res["virtual"]["moved"]  # rescaled at the step
+
+
+@pytest.mark.parametrize("batch", [60000, 1000])
+def test_large_batch_gradient_scale_is_exact(batch):
+    """A lerp with weight 1 - 1/B in fp32 mis-scaled the gradient by about B * 2^-25."""
+    for res in run_ranks(workers_noise.large_batch_scale, 1, batch, timeout=300):
+        assert res["rel_err"] <= 1e-6, res
+
+
+def test_a_parameter_unused_in_a_step_still_gets_noise():
+    for res in run_ranks(workers_noise.unused_parameter_gets_noise, 2, timeout=300):
+        assert all(v == 0.0 for v in res[0.0].values()), res  # no noise, unused: unchanged
+        assert all(v > 1e-3 for v in res[1.0].values()), res  # noise on: moved by the noise

@@ -177,3 +177,60 @@ def prefetch_vs_draw_at_step(rank: int, world: int) -> dict:
             "moved": max((params[True][n] - start[n]).abs().max().item() for n in start),
         }
     return out
+
+
+def large_batch_scale(rank: int, world: int, batch: int) -> dict:
+    """With a tiny noise multiplier, the step's gradient must be the summed gradient / B."""
+    torch.manual_seed(0)
+    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+    model = shard_model(Wide(), cfg, device=torch.device("cpu"))
+    x, y = torch.zeros(batch * world, 16), torch.zeros(batch * world, dtype=torch.long)
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (x, y), batch * world, 1.0, "ghost_fsdp", noise=1e-20, lr=0.0
+    )
+    for p in opt.params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    local = torch.cat([p.grad.to_local().flatten() for p in opt.params])
+    expected = 1.0 / opt.expected_batch_size
+    return {"rel_err": ((local - expected).abs().max() / expected).item()}
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.a = nn.Linear(32, 8)
+        self.b = nn.Linear(32, 8)
+        self.use_b = True
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.a(h) + self.b(h) if self.use_b else self.a(h)
+
+
+def unused_parameter_gets_noise(rank: int, world: int) -> dict:
+    """A layer used in step 1 and not in step 2: no error, and step 2 still adds its noise."""
+    torch.manual_seed(0)
+    base = TwoHeads()
+    x, y = _data(world, 2)
+    b = B_LOCAL * world
+    out = {}
+    for noise in (0.0, 1.0):
+        cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+        model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+        gsm, opt, crit, _ = make_private(
+            PrivacyEngine(), model, (x, y), b, 1.0, "ghost_fsdp", noise=noise, lr=1.0
+        )
+        lo = rank * B_LOCAL
+        for s in range(2):
+            model.use_b = s == 0
+            xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
+            if s == 1:
+                before = {n: t.clone() for n, t in _full_params(model).items()}
+            crit(gsm(xs[lo : lo + B_LOCAL]), ys[lo : lo + B_LOCAL]).backward()
+            opt.step()
+            opt.zero_grad()
+        after = _full_params(model)
+        out[noise] = {n: (after[n] - before[n]).abs().max().item() for n in after if ".b." in n}
+    return out

@@ -239,7 +239,8 @@ def reduce_clipped_gradients(root: nn.Module, grads: dict) -> None:
     Call it after the activations-only first pass and ``reopen_backward``. Does what the second
     backward of the two-pass step does from its first pre-backward hook on: clears flat gradients
     whose original parameters' gradients were all set to None, adds each handle's clipped
-    gradient to whatever unsharded gradient it holds (the user's ``no_sync()`` micro-batches),
+    gradient to whatever unsharded gradient it holds (as AccumulateGrad would; the user's own
+    ``no_sync()`` is refused before this point),
     runs FSDP1's post-backward hook per handle, then the root's final callback, so every handle
     ends resharded and IDLE with its sharded ``.grad`` set.
 

@@ -60,11 +60,14 @@ class NoisePrefetch:
     def take(self, std: float) -> dict[tuple, torch.Tensor]:
         """Waits for the draw; returns the buffers, rescaled if ``std`` differs from the drawn one.
 
+        Always call it before the generator is used again (it joins the drawing thread).
+
         Raises:
             BaseException: whatever the background draw raised.
         """
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
             if self._error is not None:
                 raise self._error
         if self._event is not None:
