@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,3 +47,17 @@ def lm_loss(model, criterion, ids):
     return criterion(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), shape=logits.shape[:2]
     )
+
+
+def capture_ghost_log() -> list[str]:
+    """Collects the ``opacus_fsdp_sync`` logger's messages (INFO and up) into the returned list."""
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("opacus_fsdp_sync")
+    log.setLevel(logging.INFO)
+    log.addHandler(_Keep())
+    return records

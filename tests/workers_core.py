@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import warnings
 
 import opacus
@@ -19,7 +18,7 @@ from opacus_fsdp_sync.distributed import _fsdp2_internals as internals
 from opacus_fsdp_sync.profiling import PhaseFlopCounter
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, Tripwire, toy_sample_loss
-from tests.private import lm_loss, make_private
+from tests.private import capture_ghost_log, lm_loss, make_private
 
 warnings.filterwarnings("ignore")
 LR = 0.5
@@ -269,15 +268,7 @@ def tiny_llama_trains(rank: int, world: int, steps: int = 6) -> dict:
     """A tiny untied LlamaForCausalLM trains under FSDP2 with our engine; timing lines logged."""
     from opacus_fsdp_sync.models import LlamaSpec, build_llama, decoder_layers
 
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = logging.getLogger("opacus_fsdp_sync")
-    log.setLevel(logging.INFO)
-    log.addHandler(_Keep())
+    records = capture_ghost_log()
     torch.manual_seed(0)
     model = build_llama(LlamaSpec(preset="tiny"))
     mesh = init_device_mesh("cpu", (world,))

@@ -117,12 +117,7 @@ def _reference(base, data, world, C, loss_fn=toy_sample_loss, reduction="mean", 
 
 def ddp_one_backward(rank: int, world: int) -> dict:
     """One backward vs two passes vs the loop; counts against the non-private step; noise."""
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())
-    log = logging.getLogger("opacus_fsdp_sync")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    records, stop_recording = _records()
     torch.manual_seed(0)
     base = EmbedNet()
     data = _token_data(world, STEPS)
@@ -133,7 +128,7 @@ def ddp_one_backward(rank: int, world: int) -> dict:
     out = {"clipped": int((norms > C).sum()), "n": len(norms)}
     one, _ = _train(PrivacyEngine(timing=True), base, data, rank, world, C)
     two, _ = _train(PrivacyEngine(one_backward=False, timing=True), base, data, rank, world, C)
-    log.removeHandler(handler)
+    stop_recording()
     out.update(
         one_used=one["one"],
         two_used=two["one"],

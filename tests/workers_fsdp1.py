@@ -19,6 +19,27 @@ warnings.filterwarnings("ignore")
 B_LOCAL, T, LR = 2, 10, 0.5
 
 
+def llama_and_loop(world: int, steps: int, tie: bool = False):
+    """A tiny Llama, its token batches, the median-norm clip bound and the clip-each-sample loop.
+
+    Returns:
+        ``(base, ids, first-batch per-sample norms, C, loop parameters after ``steps`` steps)``.
+    """
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
+    b = B_LOCAL * world
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, base.config.vocab_size, (b * steps, T), generator=g)
+    _, norms = per_sample_clipped_grads(
+        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
+    )
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    for s in range(steps):
+        x = ids[s * b : (s + 1) * b]
+        clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
+    return base, ids, norms, C, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
 def _full(model):
     with FSDP.summon_full_params(model):
         return {
@@ -42,20 +63,8 @@ def fsdp1_exactness(
     noise=0.0,
     one_backward=True,
 ) -> dict:
-    torch.manual_seed(0)
-    base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
+    base, ids, norms, C, ref_params = llama_and_loop(world, steps, tie)
     b = B_LOCAL * world
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, base.config.vocab_size, (b * steps, T), generator=g)
-    _, norms = per_sample_clipped_grads(
-        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
-    )
-    C = norms.median().item()
-    ref = copy.deepcopy(base)
-    for s in range(steps):
-        x = ids[s * b : (s + 1) * b]
-        clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     out = {"clipped": int((norms > C).sum()), "n": len(norms), "results": {}}
     for strategy in strategies:
         cfg = ShardingConfig.for_precision(precision, backend="fsdp1", strategy=strategy)

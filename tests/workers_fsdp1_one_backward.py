@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 
 import torch
@@ -12,9 +11,8 @@ from torch import nn
 from opacus_fsdp_sync import CollectiveCounter, PrivacyEngine, phase
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
-from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
-from tests.private import lm_loss, make_private
-from tests.workers_fsdp1 import _diff, _full
+from tests.private import capture_ghost_log, lm_loss, make_private
+from tests.workers_fsdp1 import _diff, _full, llama_and_loop
 from tests.workers_tied import llama_sample_loss
 
 warnings.filterwarnings("ignore")
@@ -81,29 +79,8 @@ def one_vs_two(
     precision: str = "fp32",
 ):
     """Per strategy: one backward against two passes, the loop, and the non-private counts."""
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = logging.getLogger("opacus_fsdp_sync")
-    log.setLevel(logging.INFO)
-    log.addHandler(_Keep())
-    torch.manual_seed(0)
-    base = build_llama(LlamaSpec(preset="tiny"))
-    b = B_LOCAL * world
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, base.config.vocab_size, (b * steps, T), generator=g)
-    _, norms = per_sample_clipped_grads(
-        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
-    )
-    C = norms.median().item()
-    ref = copy.deepcopy(base)
-    for s in range(steps):
-        x = ids[s * b : (s + 1) * b]
-        clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
-    loop = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    records = capture_ghost_log()
+    base, ids, norms, C, loop = llama_and_loop(world, steps)
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
     out = {"C": C, "clipped": int((norms > C).sum()), "n": len(norms), "results": {}}
     for strategy in strategies:

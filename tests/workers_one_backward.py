@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import ToyNet, toy_sample_loss
-from tests.private import make_private
+from tests.private import capture_ghost_log, make_private
 from tests.workers_core import B_LOCAL, LR, _data, _full_params, _max_diff, _shard
 
 warnings.filterwarnings("ignore")
@@ -57,14 +56,7 @@ def _steps(engine, base, x, y, rank, world, C, noise, seed, steps=2):
 
 
 def one_backward_fsdp2(rank: int, world: int) -> dict:
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("opacus_fsdp_sync").setLevel(logging.INFO)
-    logging.getLogger("opacus_fsdp_sync").addHandler(_Keep())
+    records = capture_ghost_log()
     torch.manual_seed(0)
     x, y = _data(world, 2)
     b = B_LOCAL * world
