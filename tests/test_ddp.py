@@ -24,6 +24,7 @@ def test_ddp_one_all_reduce_per_step_and_exact(world):
         # Noise on: every rank adds rank 0's draw: equal to one process with the same generator.
         assert res["noisy_moved"] > 1e-2
         assert res["noisy_vs_single"] <= TOL
+        assert res["noisy_drawn_ahead"] == 2  # both steps' noise drawn during the backward
         assert res["dpddp_vs_loop"] <= TOL
         if world > 1:
             for ours, up in zip(res["counts"], res["upstream_counts"]):

@@ -46,6 +46,15 @@ def _train(engine, model, x, y, rank, world, C, steps, noise, seed, local=True, 
     gsm, opt, crit, _ = make_private(
         engine, model, (x, y), b, C, "ghost", noise=noise, lr=LR, noise_generator=gen
     )
+    _train.drawn_ahead = drawn = []  # steps whose noise was drawn during the backward
+    if hasattr(opt, "prefetch_noise"):
+        ahead = opt.prefetch_noise
+
+        def counting():
+            ahead()
+            drawn.append(getattr(opt, "_prefetched", None) is not None)
+
+        opt.prefetch_noise = counting
     counts = []
     for s in range(steps):
         xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
@@ -99,6 +108,7 @@ def ddp_exactness(rank: int, world: int) -> dict:
     )
     # Noise on: every rank adds rank 0's draw; equals one process on the global batch, same seed.
     noisy, _, _ = _train(PrivacyEngine(), copy.deepcopy(base), x, y, rank, world, C, 2, 1.0, 5)
+    noisy_drawn_ahead = sum(_train.drawn_ahead)
     single, _, _ = _train(
         opacus.PrivacyEngine(),
         copy.deepcopy(base),
@@ -114,6 +124,7 @@ def ddp_exactness(rank: int, world: int) -> dict:
         wrap=None,
     )
     out["noisy_vs_single"] = _max_diff(noisy, single)
+    out["noisy_drawn_ahead"] = noisy_drawn_ahead
     out["noisy_moved"] = _max_diff(noisy, ours)
     # DPDDP: no reducer, upstream's optimizer all-reduces once; ours leaves it as it is.
     dp, dp_counts, dp_name = _train(

@@ -79,3 +79,57 @@ class NoisePrefetch:
             for buf in self.buffers.values():
                 buf.mul_(std / self.std)
         return self.buffers
+
+
+class DrawAhead:
+    """Runs ``draw()`` (a list of tensors from a generator nothing else uses meanwhile) now.
+
+    On CPU in a background thread, on CUDA on a side stream; :meth:`result` waits for it.
+
+    Args:
+        draw: Returns the list of noise tensors, drawing in the same order as a draw at step
+            time would (so a seed gives the same noise either way).
+        device: Where the tensors are drawn.
+    """
+
+    def __init__(self, draw, device: torch.device):
+        self._out: list[torch.Tensor] | None = None
+        self._error: BaseException | None = None
+        self._thread = None
+        self._event = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._out = draw()
+            self._event = stream.record_event()
+        else:
+            self._thread = threading.Thread(
+                target=self._run, args=(draw,), daemon=True, name="dp-noise-prefetch"
+            )
+            self._thread.start()
+
+    def _run(self, draw) -> None:
+        try:
+            self._out = draw()
+        except BaseException as err:  # re-raised in result()
+            self._error = err
+
+    def result(self) -> list[torch.Tensor]:
+        """Waits for the draw and returns its tensors (ready on the current CUDA stream).
+
+        Raises:
+            BaseException: whatever the background draw raised.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise self._error
+        if self._event is not None:
+            current = torch.cuda.current_stream(self._event.device)
+            current.wait_event(self._event)
+            for t in self._out:
+                t.record_stream(current)
+            self._event = None
+        return self._out

@@ -68,19 +68,53 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = _shared_generator(generator, device)
 
+    def _std(self) -> float:
+        return (
+            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        )
+
+    def _draw(self, std: float) -> list[torch.Tensor]:
+        """One noise tensor per parameter, in parameter order (Opacus's own draw)."""
+        return [
+            _generate_noise(std=std, reference=p, generator=self.generator, secure_mode=False)
+            for p in self.params
+        ]
+
+    def prefetch_noise(self) -> None:
+        """Starts drawing the next step's noise now, to overlap the backward.
+
+        A background thread on CPU, a side stream on CUDA; the same draws in the same order as
+        at step time, so the shared noise is unchanged. A draw not yet consumed (a skipped step)
+        is kept for the next real step.
+        """
+        if getattr(self, "_prefetched", None) is not None or not self.params:
+            return
+        std = self._std()
+        if std == 0:
+            return
+        from .noise_prefetch import DrawAhead
+
+        self._prefetched = (std, DrawAhead(lambda: self._draw(std), self.params[0].device))
+
     def add_noise(self) -> None:
         """``p.grad = summed + noise / W`` (mean) or ``summed * W + noise`` (sum).
 
-        The noise is the same on every rank (shared generator state).
+        The noise is the same on every rank (shared generator state), drawn during the backward
+        when :meth:`prefetch_noise` was called.
         """
-        multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
-        for p in self.params:
-            noise = _generate_noise(
-                std=multiplier * self.max_grad_norm,
-                reference=p.summed_grad,
-                generator=self.generator,
-                secure_mode=False,
-            )
+        std = self._std()
+        pending, self._prefetched = getattr(self, "_prefetched", None), None
+        noises = None
+        if pending is not None:
+            drawn_std, ahead = pending
+            noises = ahead.result()  # always joined before the generator is used again
+            if std == 0:
+                noises = None
+            elif std != drawn_std:
+                noises = [n.mul_(std / drawn_std) for n in noises]
+        if noises is None:
+            noises = self._draw(std)
+        for p, noise in zip(self.params, noises):
             if self.loss_reduction == "mean":
                 p.grad = (p.summed_grad + noise / self.world_size).view_as(p)
             else:
