@@ -24,38 +24,16 @@ class NoisePrefetch:
 
     def __init__(self, sizes: dict[tuple, int], std: float, generator: torch.Generator):
         self.std = std
-        self._error: BaseException | None = None
-        self._event = None
-        self._thread = None
+        self._keys = list(sizes)
         cuda = [dev for (_, dev) in sizes if dev.type == "cuda"]
-        if cuda:
-            stream = torch.cuda.Stream(cuda[0])
-            stream.wait_stream(torch.cuda.current_stream(cuda[0]))
-            with torch.cuda.stream(stream):
-                self.buffers = self._draw(sizes, std, generator)
-            self._event = stream.record_event()
-        else:
-            self.buffers = {k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
-            self._thread = threading.Thread(
-                target=self._fill, args=(std, generator), daemon=True, name="dp-noise-prefetch"
-            )
-            self._thread.start()
 
-    @staticmethod
-    def _draw(sizes, std, generator) -> dict[tuple, torch.Tensor]:
-        out = {}
-        for (dtype, device), n in sizes.items():
-            out[(dtype, device)] = torch.empty(n, dtype=dtype, device=device).normal_(
-                0.0, std, generator=generator
-            )
-        return out
+        def draw() -> list[torch.Tensor]:
+            return [
+                torch.empty(n, dtype=dtype, device=dev).normal_(0.0, std, generator=generator)
+                for (dtype, dev), n in sizes.items()
+            ]
 
-    def _fill(self, std: float, generator: torch.Generator) -> None:
-        try:
-            for buf in self.buffers.values():
-                buf.normal_(0.0, std, generator=generator)
-        except BaseException as err:  # re-raised in take()
-            self._error = err
+        self._ahead = DrawAhead(draw, cuda[0] if cuda else torch.device("cpu"))
 
     def take(self, std: float) -> dict[tuple, torch.Tensor]:
         """Waits for the draw; returns the buffers, rescaled if ``std`` differs from the drawn one.
@@ -65,20 +43,11 @@ class NoisePrefetch:
         Raises:
             BaseException: whatever the background draw raised.
         """
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-            if self._error is not None:
-                raise self._error
-        if self._event is not None:
-            current = torch.cuda.current_stream(self._event.device)
-            current.wait_event(self._event)
-            for buf in self.buffers.values():
-                buf.record_stream(current)
+        buffers = self._ahead.result()
         if std != self.std:
-            for buf in self.buffers.values():
+            for buf in buffers:
                 buf.mul_(std / self.std)
-        return self.buffers
+        return dict(zip(self._keys, buffers))
 
 
 class DrawAhead:
