@@ -53,9 +53,7 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         """
         self.gram_cache = GramCache()
         self.per_sample_policy = per_sample_policy
-        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(
-            self.gram_cache, per_sample_policy
-        )
+        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache, per_sample_policy)
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded, the shared Gram matrices included."""
