@@ -40,8 +40,8 @@ class GhostOptions:
     """Linear ghost norms with each input's Gram matrix computed once for all layers reading it
     (q/k/v, gate/up) and an fp32 elementwise contraction instead of upstream's gemv: equal to
     upstream to rounding (the Gram matrices keep the model's dtype, as upstream's), not bit for
-    bit. False keeps upstream's norm kernels (then the
-    two-pass options reproduce upstream Opacus bit for bit)."""
+    bit. False keeps upstream's norm kernels (then the two-pass options reproduce upstream Opacus
+    bit for bit)."""
     per_sample_grads: bool | str = "auto"
     """One backward with ``fast_norms``: sequence ``Linear`` layers materialise per-sample
     gradients in the first pass (norms and clipped gradient from them, no ghost norm; see
