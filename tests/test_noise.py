@@ -78,3 +78,12 @@ def test_a_parameter_unused_in_a_step_still_gets_noise():
     for res in run_ranks(workers_noise.unused_parameter_gets_noise, 2, timeout=300):
         assert all(v == 0.0 for v in res[0.0].values()), res  # no noise, unused: unchanged
         assert all(v > 1e-3 for v in res[1.0].values()), res  # noise on: moved by the noise
+
+
+def test_noised_gradient_is_the_scaled_sum_plus_the_noise():
+    """One pass writes noise + grad / B into the noise buffer; the gradient then aliases it."""
+    for res in run_ranks(workers_noise.noised_gradient_is_scaled_sum_plus_noise, 2, timeout=300):
+        for case in res.values():
+            assert case["grad"] > 1e-3 and case["noise"] > 1e-3, res
+            # one rounding of noise + grad / B (the noise is the larger term)
+            assert case["err"] <= 4 * 2**-24 * (case["noise"] + case["grad"]), res

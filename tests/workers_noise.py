@@ -234,3 +234,57 @@ def unused_parameter_gets_noise(rank: int, world: int) -> dict:
         after = _full_params(model)
         out[noise] = {n: (after[n] - before[n]).abs().max().item() for n in after if ".b." in n}
     return out
+
+
+def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int) -> dict:
+    """Step gradient = factor * summed + noise, over two steps, with both ``zero_grad`` modes.
+
+    Run A trains on the data; run B has the same noise seed and a zero loss, so its step
+    gradient is the noise alone. ``grad_A - grad_B`` must then be ``summed_A / B`` (the local
+    shard before the step), step after step: a gradient that aliased a buffer another step
+    reuses, or noise added to the wrong shard, would break it.
+    """
+    torch.manual_seed(0)
+    base = Wide()
+    x, y = _data(world, 2)
+    y = y % 64
+    b = B_LOCAL * world
+    out = {}
+    for set_to_none in (False, True):
+        grads: dict[bool, list] = {}
+        summed: list = []
+        for zero_loss in (False, True):
+            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+            model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+            gsm, opt, crit, _ = make_private(
+                PrivacyEngine(),
+                model,
+                (x, y),
+                b,
+                1.0,
+                "ghost_fsdp",
+                noise=1.0,
+                lr=0.1,
+                noise_generator=torch.Generator().manual_seed(11),
+            )
+            lo = rank * B_LOCAL
+            grads[zero_loss] = []
+            for s in range(2):
+                xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
+                loss = crit(gsm(xs[lo : lo + B_LOCAL]), ys[lo : lo + B_LOCAL])
+                (loss * 0.0 if zero_loss else loss).backward()
+                if not zero_loss:
+                    summed.append([p.grad.to_local().clone() for p in opt.params])
+                opt.step()
+                grads[zero_loss].append([p.grad.to_local().clone() for p in opt.params])
+                opt.zero_grad(set_to_none=set_to_none)
+        factor = 1.0 / opt.expected_batch_size
+        err = size = noise = 0.0
+        for s in range(2):
+            for ga, gb, g in zip(grads[False][s], grads[True][s], summed[s]):
+                expected = g * factor
+                err = max(err, (ga - gb - expected).abs().max().item())
+                size = max(size, expected.abs().max().item())
+                noise = max(noise, gb.abs().max().item())
+        out[set_to_none] = {"err": err, "grad": size, "noise": noise}
+    return out

@@ -137,16 +137,20 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
 
     @torch.no_grad()
     def add_noise(self) -> None:
-        """``p.grad = factor * summed + noise`` on the local shards.
+        """``p.grad = factor * summed + noise`` on the local shards, in one pass.
 
         ``factor`` is what :meth:`scale_grad` would apply next (``1 / (expected batch x
         accumulated iterations)`` for a mean loss; ``world_size`` for a sum, since FSDP averaged
         the gradients), so the scaling is done here and :meth:`scale_grad` does nothing.
-        Works on the local tensors in place (no DTensor dispatch per parameter): one Gaussian
-        draw per dtype and device for all shards together (prefetched during the backward when
-        :meth:`prefetch_noise` was called), one ``_foreach_mul_`` and one ``_foreach_add_``.
-        (A single ``lerp`` pass is not used: with weight ``1 - 1/B`` in fp32 it mis-scales the
-        gradient by up to ``B * 2^-25`` relative, 1e-3 at B = 60 000.)
+        Works on the local tensors (no DTensor dispatch per parameter): one Gaussian draw per
+        dtype and device for all shards together (prefetched during the backward when
+        :meth:`prefetch_noise` was called), then one ``_foreach_add_`` writes
+        ``noise + factor * summed`` into the noise buffer (``factor * summed`` rounded first, as
+        a separate scale would; a fused multiply-add may round once) and each gradient's local
+        tensor is pointed at its slice (``Tensor.set_``): one read of the gradient and of the
+        noise, one write, instead of a scale pass and an add pass. (A single ``lerp`` is not
+        used: with weight ``1 - 1/B`` in fp32 it mis-scales the gradient by up to ``B * 2^-25``
+        relative, 1e-3 at B = 60 000.)
         """
         factor, std = self._noise_plan(self.accumulated_iterations)
         prefetched, self._prefetched = getattr(self, "_prefetched", None), None
@@ -158,9 +162,9 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             local = self._local(p.grad)
             groups.setdefault((local.dtype, local.device), []).append(local)
         for key, locals_ in groups.items():
-            if factor != 1.0:
-                torch._foreach_mul_(locals_, factor)
             if std == 0:
+                if factor != 1.0:
+                    torch._foreach_mul_(locals_, factor)
                 continue
             numels = [t.numel() for t in locals_]
             flat = flats.get(key)
@@ -168,7 +172,9 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
                 flat = torch.empty(sum(numels), dtype=key[0], device=key[1])
                 flat.normal_(0.0, std, generator=self.generator)
             noises = [n.view_as(t) for n, t in zip(flat.split(numels), locals_)]
-            torch._foreach_add_(locals_, noises)
+            torch._foreach_add_(noises, locals_, alpha=factor)
+            for local, noised in zip(locals_, noises):
+                local.set_(noised)
         self._scaled = True
 
     @torch.no_grad()
