@@ -86,6 +86,9 @@ class ExperimentConfig:
     """Noise multiplier (the cost of noise is part of a private step)."""
     lr: float = 1e-4
     """Learning rate (SGD)."""
+    op_profile: bool = False
+    """Also write ``profiles/{name}.ops.txt``: a ``torch.profiler`` table (self CPU/CUDA time per op) of
+    rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace) of that step."""
     out: str = "runs/latest"
     """Directory of the JSON result."""
     name: str | None = None
@@ -206,6 +209,10 @@ def run(cfg: ExperimentConfig) -> dict:
             reset_peak(device)
         if counted:
             counter.__enter__()
+        profiler = None
+        if cfg.op_profile and rank == 0 and i == cfg.warmup + cfg.steps - 1:
+            profiler = _op_profiler(device)
+            profiler.__enter__()
         try:
             with timer.phase("step"):
                 with phase("forward"), timer.phase("forward"):
@@ -225,6 +232,9 @@ def run(cfg: ExperimentConfig) -> dict:
         finally:
             if counted:
                 counter.__exit__(None, None, None)
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                _write_op_profile(profiler, cfg, device)
         timings = timer.flush()
         if engine is not None:
             timings.update(engine.last_step_timings)
@@ -273,6 +283,26 @@ def run(cfg: ExperimentConfig) -> dict:
         "losses": losses,
         "status": "ok",
     }
+
+
+def _op_profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, record_shapes=False)
+
+
+def _write_op_profile(profiler, cfg: ExperimentConfig, device: torch.device) -> None:
+    out = Path(cfg.out) / "profiles"
+    out.mkdir(parents=True, exist_ok=True)
+    name = cfg.name or f"{cfg.mode}_seq{cfg.seq_length}"
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=key, row_limit=60)
+    (out / f"{name}.ops.txt").write_text(table)
+    profiler.export_chrome_trace(str(out / f"{name}.trace.json"))
+    logger.info("[Ghost] op profile of one measured step -> %s", out / f"{name}.ops.txt")
 
 
 def _device_name(device: torch.device) -> str:
