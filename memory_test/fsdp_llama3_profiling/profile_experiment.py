@@ -87,8 +87,8 @@ class ExperimentConfig:
     lr: float = 1e-4
     """Learning rate (SGD)."""
     op_profile: bool = False
-    """Also write ``profiles/{name}.ops.txt``: a ``torch.profiler`` table (self CPU/CUDA time per op) of
-    rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace) of that step."""
+    """Also write ``profiles/{name}.ops.txt``, a ``torch.profiler`` table (self CPU/CUDA time
+    per op) of rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace)."""
     out: str = "runs/latest"
     """Directory of the JSON result."""
     name: str | None = None
