@@ -40,6 +40,7 @@ def llama_and_loop(world: int, steps: int, tie: bool = False):
         clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR)
     return base, ids, norms, C, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
+
 def _full(model):
     with FSDP.summon_full_params(model):
         return {
