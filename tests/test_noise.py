@@ -60,9 +60,12 @@ def test_fsdp1_shards_draw_independent_noise():
     assert abs(torch.corrcoef(torch.stack([a[:m], b[:m]]))[0, 1].item()) < 0.1
 
 
-def test_noise_drawn_during_the_backward_equals_the_draw_at_step_time():
-    for res in run_ranks(workers_noise.prefetch_vs_draw_at_step, 2, timeout=300):
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_noise_drawn_during_the_backward_equals_the_draw_at_step_time(backend):
+    for res in run_ranks(workers_noise.prefetch_vs_draw_at_step, 2, backend, timeout=300):
         assert res["plain"]["moved"] > 1e-2 and res["virtual"]["moved"] > 1e-2
+        # FSDP1 learns the held shards' sizes in its first step and draws ahead from the second
+        assert res["plain"]["drawn_ahead"] == {"fsdp2": 2, "fsdp1": 1}[backend], res
         assert res["plain"]["diff"] == 0.0  # same generator, same draws, same order
         assert res["virtual"]["diff"] <= 1e-6 * res["virtual"]["moved"]  # rescaled at the step
 
@@ -80,9 +83,11 @@ def test_a_parameter_unused_in_a_step_still_gets_noise():
         assert all(v > 1e-3 for v in res[1.0].values()), res  # noise on: moved by the noise
 
 
-def test_noised_gradient_is_the_scaled_sum_plus_the_noise():
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_noised_gradient_is_the_scaled_sum_plus_the_noise(backend):
     """One pass writes noise + grad / B into the noise buffer; the gradient then aliases it."""
-    for res in run_ranks(workers_noise.noised_gradient_is_scaled_sum_plus_noise, 2, timeout=300):
+    worker = workers_noise.noised_gradient_is_scaled_sum_plus_noise
+    for res in run_ranks(worker, 2, backend, timeout=300):
         for case in res.values():
             assert case["grad"] > 1e-3 and case["noise"] > 1e-3, res
             # one rounding of noise + grad / B (the noise is the larger term)

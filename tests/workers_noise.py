@@ -129,11 +129,12 @@ def fsdp1_local_noise(rank: int, world: int) -> torch.Tensor:
     return torch.cat([(clean[n] - noisy[n]).flatten() for n in clean])
 
 
-def prefetch_vs_draw_at_step(rank: int, world: int) -> dict:
+def prefetch_vs_draw_at_step(rank: int, world: int, backend: str = "fsdp2") -> dict:
     """The noise drawn during the backward (default) against the noise drawn at step time.
 
     Two runs per case with the same noise seed: plain steps (the same draw, so bit for bit), and
     a virtual step (two micro-batches, so the drawn standard deviation is rescaled at the step).
+    ``drawn_ahead`` counts the steps whose noise was drawn during the backward.
     """
     torch.manual_seed(0)
     base = Wide()
@@ -143,8 +144,9 @@ def prefetch_vs_draw_at_step(rank: int, world: int) -> dict:
     out = {}
     for case, micro in (("plain", 1), ("virtual", 2)):
         params = {}
+        drawn_ahead = 0
         for prefetch in (True, False):
-            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
             model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
             gsm, opt, crit, _ = make_private(
                 PrivacyEngine(),
@@ -168,13 +170,16 @@ def prefetch_vs_draw_at_step(rank: int, world: int) -> dict:
                     crit(gsm(xs[sl]), ys[sl]).backward()
                     if m < micro - 1:
                         opt.signal_skip_step(do_skip=True)
+                    elif prefetch and getattr(opt, "_prefetched", None) is not None:
+                        drawn_ahead += 1
                     opt.step()
                     opt.zero_grad()
-            params[prefetch] = _full_params(model)
-        start = _full_params(shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu")))
+            params[prefetch] = _full(model, backend)
+        start = _full(shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu")), backend)
         out[case] = {
             "diff": max((params[True][n] - params[False][n]).abs().max().item() for n in start),
             "moved": max((params[True][n] - start[n]).abs().max().item() for n in start),
+            "drawn_ahead": drawn_ahead,
         }
     return out
 
@@ -236,7 +241,16 @@ def unused_parameter_gets_noise(rank: int, world: int) -> dict:
     return out
 
 
-def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int) -> dict:
+def _local_grads(opt) -> list:
+    """Each parameter's local gradient (None where this rank holds none)."""
+    out = []
+    for p in opt.params:
+        g = p.grad
+        out.append(None if g is None else (g.to_local() if hasattr(g, "to_local") else g).clone())
+    return out
+
+
+def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int, backend: str) -> dict:
     """Step gradient = factor * summed + noise, over two steps, with both ``zero_grad`` modes.
 
     Run A trains on the data; run B has the same noise seed and a zero loss, so its step
@@ -254,7 +268,7 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int) -> dict:
         grads: dict[bool, list] = {}
         summed: list = []
         for zero_loss in (False, True):
-            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
             model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
             gsm, opt, crit, _ = make_private(
                 PrivacyEngine(),
@@ -274,14 +288,16 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int) -> dict:
                 loss = crit(gsm(xs[lo : lo + B_LOCAL]), ys[lo : lo + B_LOCAL])
                 (loss * 0.0 if zero_loss else loss).backward()
                 if not zero_loss:
-                    summed.append([p.grad.to_local().clone() for p in opt.params])
+                    summed.append(_local_grads(opt))
                 opt.step()
-                grads[zero_loss].append([p.grad.to_local().clone() for p in opt.params])
+                grads[zero_loss].append(_local_grads(opt))
                 opt.zero_grad(set_to_none=set_to_none)
         factor = 1.0 / opt.expected_batch_size
         err = size = noise = 0.0
         for s in range(2):
             for ga, gb, g in zip(grads[False][s], grads[True][s], summed[s]):
+                if g is None or g.numel() == 0:
+                    continue
                 expected = g * factor
                 err = max(err, (ga - gb - expected).abs().max().item())
                 size = max(size, expected.abs().max().item())

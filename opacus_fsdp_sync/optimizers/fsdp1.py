@@ -15,46 +15,77 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 
 from .fsdp2 import shard_generator
+from .noised_step import FlatNoiseStep
 
 
-class FSDP1DPOptimizer(FSDPOptimizerFastGradientClipping):
-    """Opacus's FSDP optimizer, skipping parameters with no local shard.
+class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
+    """Opacus's FSDP optimizer for the parameters this rank holds a shard of.
 
     Noise comes from a per-rank stream (rank 0's seed mixed with the rank), so shards never
     repeat each other's draws even when every rank was seeded identically; with
-    ``loss_reduction="sum"`` the averaged gradient is multiplied back by the world size.
+    ``loss_reduction="sum"`` the averaged gradient is multiplied back by the world size. A held
+    parameter this step did not use counts as zeros and still gets its noise. The step is one
+    flat draw and one pass (:class:`~.noised_step.FlatNoiseStep`); from the second step on the
+    draw runs during the backward (the held shards' sizes are known from the step before).
     """
 
     def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
         super().__init__(optimizer, generator=generator, secure_mode=secure_mode, **kwargs)
+        self._held_sizes: dict[tuple, int] | None = None
         if not secure_mode:
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
 
     def _owned(self):
-        return [p for p in self.params if p.grad is not None and p.numel() > 0]
+        """The parameters with a local shard (FSDP1 leaves the others with zero elements)."""
+        return [p for p in self.params if p.numel() > 0]
 
+    @torch.no_grad()
     def accumulate(self) -> None:
-        """Sums each owned shard's gradient into ``summed_grad``."""
+        """Sums each held shard's gradient into ``summed_grad`` (a copy only when accumulating)."""
+        keep = bool(self._check_skip_next_step(pop_next=False))
         for p in self._owned():
             state = self.grad_state[p]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if state["summed_grad"] is not None:
-                state["summed_grad"].add_(p.grad.data)
+                state["summed_grad"].add_(grad)
+            elif keep:  # the next micro-batch's backward writes into p.grad
+                state["summed_grad"] = grad.detach().clone()
             else:
-                state["summed_grad"] = p.grad.detach().clone()
+                state["summed_grad"] = grad.detach()
 
+    def _noise_sizes(self) -> dict[tuple, int] | None:
+        # Between forward and backward FSDP1 may hold the parameters unsharded: the held shards'
+        # sizes come from the last step (None before the first, which draws at step time).
+        # Secure noise is never drawn ahead.
+        return None if self.secure_mode else self._held_sizes
+
+    @torch.no_grad()
     def add_noise(self) -> None:
-        """Adds independent noise to every owned shard (once per coordinate overall)."""
+        """``p.grad = factor * summed + noise`` on every held shard (one draw per coordinate)."""
+        if self.secure_mode:
+            return self._add_secure_noise()
+        owned = self._owned()
+        summed = [self.grad_state[p]["summed_grad"] for p in owned]
+        sizes: dict[tuple, int] = {}
+        for g in summed:
+            sizes[(g.dtype, g.device)] = sizes.get((g.dtype, g.device), 0) + g.numel()
+        self._held_sizes = sizes
+        for p, noised in zip(owned, self._noised(summed)):
+            p.grad = noised.view_as(p)
+
+    def _add_secure_noise(self) -> None:
+        """Opacus's secure draw per held shard; :meth:`scale_grad` divides afterwards."""
         from opacus.optimizers.optimizer import _generate_noise
 
         for p in self._owned():
+            summed = self.grad_state[p]["summed_grad"]
             noise = _generate_noise(
                 std=self.noise_multiplier * self.max_grad_norm,
-                reference=p.grad,
+                reference=summed,
                 generator=self.generator,
-                secure_mode=self.secure_mode,
+                secure_mode=True,
             )
-            summed = self.grad_state[p]["summed_grad"]
             if self.loss_reduction == "mean":
                 noise.div_(self.world_size)
             else:  # FSDP averaged the gradients: the sum is world_size times that
@@ -62,7 +93,10 @@ class FSDP1DPOptimizer(FSDPOptimizerFastGradientClipping):
             p.grad = (summed + noise).view_as(p)
 
     def scale_grad(self) -> None:
-        """Divides owned gradients by the expected batch size (mean reduction)."""
+        """Nothing after the one-pass step (it scaled); secure noise: divides held gradients."""
+        if getattr(self, "_scaled", False):
+            self._scaled = False
+            return
         if self.loss_reduction == "mean":
             for p in self._owned():
                 p.grad /= self.expected_batch_size * self.accumulated_iterations

@@ -18,6 +18,8 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 from torch.distributed.tensor import DTensor
 
+from .noised_step import FlatNoiseStep
+
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
 
 
@@ -51,7 +53,7 @@ def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]
     return torch.Generator(device=device).manual_seed(seed)
 
 
-class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
+class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
     """``FSDPOptimizerFastGradientClipping`` with shard-local noise (not for ``secure_mode``).
 
     Gradients cleared to None count as zeros (``accepts_none_grads``).
@@ -99,18 +101,6 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _noise_plan(self, accumulated: int) -> tuple[float, float]:
-        """``(factor, std)`` for :meth:`add_noise` with ``accumulated`` iterations."""
-        std = (
-            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
-        )
-        if self.loss_reduction == "mean":
-            factor = 1.0 / (self.expected_batch_size * accumulated)
-            std = std / self.world_size * factor
-        else:  # FSDP averaged the gradients: the sum is world_size times that
-            factor = float(self.world_size)
-        return factor, std
-
     def _noise_sizes(self) -> dict[tuple, int]:
         sizes: dict[tuple, int] = {}
         for p in self.params:
@@ -118,22 +108,6 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
             key = (local.dtype, local.device)
             sizes[key] = sizes.get(key, 0) + local.numel()
         return sizes
-
-    def prefetch_noise(self) -> None:
-        """Starts drawing the next step's noise now, to overlap the backward.
-
-        A background thread on CPU, a side stream on CUDA; :meth:`add_noise` waits for it.
-        Called by the engine at the start of every private backward; a draw not yet consumed
-        (a skipped step) is kept for the next real step. Same seed, same noise as without it.
-        """
-        if getattr(self, "_prefetched", None) is not None:
-            return
-        _, std_e = self._noise_plan(1)
-        if std_e == 0 or not self.params:
-            return
-        from .noise_prefetch import NoisePrefetch
-
-        self._prefetched = NoisePrefetch(self._noise_sizes(), std_e, self.generator)
 
     @torch.no_grad()
     def add_noise(self) -> None:
@@ -143,46 +117,17 @@ class ShardedNoiseFSDPOptimizer(FSDPOptimizerFastGradientClipping):
         accumulated iterations)`` for a mean loss; ``world_size`` for a sum, since FSDP averaged
         the gradients), so the scaling is done here and :meth:`scale_grad` does nothing.
         Works on the local tensors (no DTensor dispatch per parameter): one Gaussian draw per
-        dtype and device for all shards together (prefetched during the backward when
-        :meth:`prefetch_noise` was called), then one ``_foreach_add_`` writes
-        ``noise + factor * summed`` into the noise buffer (``factor * summed`` rounded first, as
-        a separate scale would; a fused multiply-add may round once) and each gradient's local
-        tensor is pointed at its slice (``Tensor.set_``): one read of the gradient and of the
-        noise, one write, instead of a scale pass and an add pass. (A single ``lerp`` is not
+        dtype and device for all shards together (prefetched during the backward), then
+        ``noise += factor * summed`` (:mod:`.noised_step`) and each gradient's local tensor is
+        pointed at its slice of the noise buffer (``Tensor.set_``). (A single ``lerp`` is not
         used: with weight ``1 - 1/B`` in fp32 it mis-scales the gradient by up to ``B * 2^-25``
         relative, 1e-3 at B = 60 000.)
         """
-        factor, std = self._noise_plan(self.accumulated_iterations)
-        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
-        flats = prefetched.take(std if std else prefetched.std) if prefetched else {}
-        groups: dict[tuple, list[torch.Tensor]] = {}
+        locals_ = []
         for p in self.params:
             summed = self.grad_state[p]["summed_grad"]
             p.grad = summed if summed.shape == p.shape else summed.view_as(p)
-            local = self._local(p.grad)
-            groups.setdefault((local.dtype, local.device), []).append(local)
-        for key, locals_ in groups.items():
-            if std == 0:
-                if factor != 1.0:
-                    torch._foreach_mul_(locals_, factor)
-                continue
-            numels = [t.numel() for t in locals_]
-            flat = flats.get(key)
-            if flat is None or flat.numel() != sum(numels):
-                flat = torch.empty(sum(numels), dtype=key[0], device=key[1])
-                flat.normal_(0.0, std, generator=self.generator)
-            noises = [n.view_as(t) for n, t in zip(flat.split(numels), locals_)]
-            torch._foreach_add_(noises, locals_, alpha=factor)
-            for local, noised in zip(locals_, noises):
+            locals_.append(self._local(p.grad))
+        for local, noised in zip(locals_, self._noised(locals_)):
+            if noised is not local:
                 local.set_(noised)
-        self._scaled = True
-
-    @torch.no_grad()
-    def scale_grad(self) -> None:
-        """Nothing when :meth:`add_noise` already scaled (always, in a step); else as Opacus."""
-        if getattr(self, "_scaled", False):
-            self._scaled = False
-            return
-        if self.loss_reduction == "mean":
-            locals_ = [self._local(p.grad) for p in self.params]
-            torch._foreach_div_(locals_, self.expected_batch_size * self.accumulated_iterations)

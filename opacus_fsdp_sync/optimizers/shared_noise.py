@@ -18,6 +18,8 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
 
+from .noised_step import add_scaled_into, noise_plan
+
 
 class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
     """``DPOptimizerFastGradientClipping`` for gradients already averaged over DDP ranks.
@@ -68,17 +70,35 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = _shared_generator(generator, device)
 
-    def _std(self) -> float:
-        return (
-            getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+    def _plan(self, accumulated: int) -> tuple[float, float]:
+        return noise_plan(
+            noise_multiplier=getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier),
+            max_grad_norm=self.max_grad_norm,
+            loss_reduction=self.loss_reduction,
+            expected_batch_size=self.expected_batch_size,
+            world_size=self.world_size,
+            accumulated=accumulated,
         )
 
     def _draw(self, std: float) -> list[torch.Tensor]:
-        """One noise tensor per parameter, in parameter order (Opacus's own draw)."""
+        """One noise tensor per parameter, in parameter order (Opacus's own draw, at ``std``)."""
         return [
             _generate_noise(std=std, reference=p, generator=self.generator, secure_mode=False)
             for p in self.params
         ]
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Like Opacus, without its copy when this step is not accumulated over several calls."""
+        keep = bool(self._check_skip_next_step(pop_next=False))
+        for p in self.params:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if p.summed_grad is not None:
+                p.summed_grad.add_(grad)
+            elif keep:  # the next micro-batch's backward writes into p.grad
+                p.summed_grad = grad.detach().clone()
+            else:
+                p.summed_grad = grad.detach()
 
     def prefetch_noise(self) -> None:
         """Starts drawing the next step's noise now, to overlap the backward.
@@ -89,20 +109,22 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         """
         if getattr(self, "_prefetched", None) is not None or not self.params:
             return
-        std = self._std()
+        _, std = self._plan(1)
         if std == 0:
             return
         from .noise_prefetch import DrawAhead
 
         self._prefetched = (std, DrawAhead(lambda: self._draw(std), self.params[0].device))
 
+    @torch.no_grad()
     def add_noise(self) -> None:
-        """``p.grad = summed + noise / W`` (mean) or ``summed * W + noise`` (sum).
+        """``p.grad = summed / (b k) + noise / (W b k)`` (mean) or ``summed * W + noise`` (sum).
 
-        The noise is the same on every rank (shared generator state), drawn during the backward
-        when :meth:`prefetch_noise` was called.
+        The noise is the same on every rank (shared generator state), drawn already scaled
+        during the backward when :meth:`prefetch_noise` was called; ``noise += factor *
+        summed`` is one pass (:mod:`.noised_step`), so :meth:`scale_grad` has nothing left to do.
         """
-        std = self._std()
+        factor, std = self._plan(self.accumulated_iterations)
         pending, self._prefetched = getattr(self, "_prefetched", None), None
         noises = None
         if pending is not None:
@@ -112,13 +134,25 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
                 noises = None
             elif std != drawn_std:
                 noises = [n.mul_(std / drawn_std) for n in noises]
-        if noises is None:
-            noises = self._draw(std)
-        for p, noise in zip(self.params, noises):
-            if self.loss_reduction == "mean":
-                p.grad = (p.summed_grad + noise / self.world_size).view_as(p)
-            else:
-                p.grad = (p.summed_grad * self.world_size + noise).view_as(p)
+        summed = [p.summed_grad for p in self.params]
+        self._scaled = True
+        if std == 0:
+            if factor != 1.0 and summed:
+                torch._foreach_mul_(summed, factor)
+            noises = summed
+        else:
+            if noises is None:
+                noises = self._draw(std)
+            add_scaled_into(noises, summed, factor)
+        for p, g in zip(self.params, noises):
+            p.grad = g.view_as(p)
+
+    def scale_grad(self) -> None:
+        """Nothing after :meth:`add_noise` (it scaled already); else Opacus's division."""
+        if getattr(self, "_scaled", False):
+            self._scaled = False
+            return
+        super().scale_grad()
 
 
 def _shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:

@@ -1,0 +1,125 @@
+"""The scaled, noised gradient of a DP step, written in one pass over each gradient.
+
+A DP step turns the summed clipped gradient ``s`` into ``factor * s + noise``: ``factor`` is
+``1 / (expected batch x accumulated iterations)`` for a mean loss (what Opacus's ``scale_grad``
+divides by) and ``world_size`` for a sum whose collective averaged; the noise's standard deviation
+carries the same scaling. Opacus computes it in three or four passes (copy, add the noise, scale).
+Here the noise is drawn already scaled (during the backward where possible) and
+``noise += factor * s`` (one ``_foreach_add_``) reads the gradient and the noise once and writes
+once; the gradient then points at the noise buffer. ``factor * s`` is rounded as a separate scale
+would round it (a fused multiply-add may round once), so the result is within one rounding of
+Opacus's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def noise_plan(
+    *,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    loss_reduction: str,
+    expected_batch_size: int,
+    world_size: int,
+    accumulated: int,
+) -> tuple[float, float]:
+    """``(factor, std)``: ``p.grad = factor * summed + N(0, std^2)``, gradients averaged over ranks.
+
+    Mean loss: ``factor = 1 / (b k)`` and ``std = sigma C / (W b k)`` (``b`` the expected batch
+    per rank, ``k`` the accumulated iterations, ``W`` the world size): Opacus's
+    ``(summed + noise / W) / (b k)``. Sum loss: the averaged gradient is multiplied back by ``W``
+    and the noise is ``sigma C``.
+    """
+    std = noise_multiplier * max_grad_norm
+    if loss_reduction == "mean":
+        factor = 1.0 / (expected_batch_size * accumulated)
+        return factor, std / world_size * factor
+    return float(world_size), std
+
+
+def add_scaled_into(noises: list[torch.Tensor], grads: list[torch.Tensor], factor: float) -> None:
+    """``noises[i] += factor * grads[i]`` for every ``i``, in one foreach pass."""
+    if noises:
+        torch._foreach_add_(noises, grads, alpha=factor)
+
+
+class FlatNoiseStep:
+    """Mixin for Opacus's FSDP optimizer: one flat noise draw per dtype and device, one pass.
+
+    The subclass provides :meth:`_noise_sizes` (the flat sizes, known before the gradients, or
+    None) and an ``add_noise`` that collects the local gradients and calls :meth:`_noised`. The
+    noise of the next step is drawn during the backward (:meth:`prefetch_noise`, called by the
+    engine); the same seed gives the same noise either way.
+    """
+
+    def _noise_plan(self, accumulated: int) -> tuple[float, float]:
+        return noise_plan(
+            noise_multiplier=getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier),
+            max_grad_norm=self.max_grad_norm,
+            loss_reduction=self.loss_reduction,
+            expected_batch_size=self.expected_batch_size,
+            world_size=self.world_size,
+            accumulated=accumulated,
+        )
+
+    def _noise_sizes(self) -> dict[tuple, int] | None:
+        """``{(dtype, device): numel}`` of the next step's local gradients, or None if unknown."""
+        raise NotImplementedError
+
+    def prefetch_noise(self) -> None:
+        """Starts drawing the next step's noise now, to overlap the backward.
+
+        A background thread on CPU, a side stream on CUDA; :meth:`_noised` waits for it. Called
+        by the engine at the start of every private backward; a draw not yet consumed (a skipped
+        step) is kept for the next real step. Same seed, same noise as without it.
+        """
+        if getattr(self, "_prefetched", None) is not None:
+            return
+        _, std = self._noise_plan(1)
+        sizes = self._noise_sizes()
+        if std == 0 or not sizes:
+            return
+        from .noise_prefetch import NoisePrefetch
+
+        self._prefetched = NoisePrefetch(sizes, std, self.generator)
+
+    @torch.no_grad()
+    def _noised(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``factor * g + noise`` for each local gradient ``g``; the results are new tensors.
+
+        One flat noise buffer per ``(dtype, device)`` (the prefetched one when its size
+        matches), the gradients added into it with :func:`add_scaled_into`; without noise the
+        gradients are scaled in place and returned. Sets the flag that makes ``scale_grad`` a
+        no-op for this step.
+        """
+        factor, std = self._noise_plan(self.accumulated_iterations)
+        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
+        flats = prefetched.take(std if std else prefetched.std) if prefetched else {}
+        self._scaled = True
+        if std == 0:
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+            return grads
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(grads):
+            groups.setdefault((g.dtype, g.device), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for key, idx in groups.items():
+            numels = [grads[i].numel() for i in idx]
+            flat = flats.get(key)
+            if flat is None or flat.numel() != sum(numels):
+                flat = torch.empty(sum(numels), dtype=key[0], device=key[1])
+                flat.normal_(0.0, std, generator=self.generator)
+            for i, n in zip(idx, flat.split(numels)):
+                out[i] = n.view_as(grads[i])
+        add_scaled_into(out, grads, factor)
+        return out
+
+    def scale_grad(self) -> None:
+        """Nothing after :meth:`_noised` (it scaled already); else Opacus's division."""
+        if getattr(self, "_scaled", False):
+            self._scaled = False
+            return
+        super().scale_grad()
