@@ -92,3 +92,9 @@ def test_noised_gradient_is_the_scaled_sum_plus_the_noise(backend):
             assert case["grad"] > 1e-3 and case["noise"] > 1e-3, res
             # one rounding of noise + grad / B (the noise is the larger term)
             assert case["err"] <= 4 * 2**-24 * (case["noise"] + case["grad"]), res
+
+
+def test_step_releases_the_reduce_scatter_output():
+    for res in run_ranks(workers_noise.reduce_scatter_output_is_released, 2, timeout=300):
+        assert res["bases"] > 0, res  # FSDP2's gradients were views of its output
+        assert res["alive_after_step"] == 0, res

@@ -304,3 +304,41 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int, backend: str
                 noise = max(noise, gb.abs().max().item())
         out[set_to_none] = {"err": err, "grad": size, "noise": noise}
     return out
+
+
+def reduce_scatter_output_is_released(rank: int, world: int) -> dict:
+    """After ``step()`` no gradient keeps FSDP2's reduce-scatter output alive.
+
+    FSDP2's sharded gradients are views of the reduce-scatter output; the step's gradient lives
+    in the noise buffer, so the output must be freed by the step (one gradient-sized buffer
+    through the wrapped optimizer's step, not two).
+    """
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    x, y = _data(world, 2)
+    y = y % 64
+    b = B_LOCAL * world
+    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
+    model = shard_model(Wide(), cfg, device=torch.device("cpu"))
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (x, y), b, 1.0, "ghost_fsdp", noise=1.0, lr=0.1
+    )
+    lo = rank * B_LOCAL
+    out = {"bases": 0, "alive_after_step": 0}
+    for s in range(2):
+        xs, ys = x[s * b : (s + 1) * b], y[s * b : (s + 1) * b]
+        crit(gsm(xs[lo : lo + B_LOCAL]), ys[lo : lo + B_LOCAL]).backward()
+        refs = []
+        for p in opt.params:
+            base = p.grad.to_local()._base
+            if base is not None:
+                refs.append(weakref.ref(base))
+        del base
+        opt.step()
+        gc.collect()
+        out["bases"] += len(refs)
+        out["alive_after_step"] += sum(r() is not None for r in refs)
+        opt.zero_grad(set_to_none=False)
+    return out

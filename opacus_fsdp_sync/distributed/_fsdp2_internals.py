@@ -240,3 +240,27 @@ def reduce_clipped_gradients(modules: list[nn.Module], grads: dict) -> None:
             if not hasattr(state, "_root_post_backward_final_callback"):
                 raise _fail("FSDPState._root_post_backward_final_callback")
             state._root_post_backward_final_callback()
+
+
+def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``like``'s sharding spec around ``local`` (no autograd, no copy).
+
+    What FSDP2 itself uses for its sharded gradients (``DTensor(local, spec)``), without the
+    autograd function of the public ``DTensor.from_local`` (tens of microseconds per call).
+
+    Args:
+        like: A DTensor (the gradient being replaced).
+        local: Its new local tensor: same shape, dtype and device as ``like``'s.
+
+    Raises:
+        FSDPInternalsError: if ``like`` has no ``_spec`` or the result does not match ``like``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    spec = getattr(like, "_spec", None)
+    if spec is None:
+        raise _fail("DTensor._spec (the sharding spec of a gradient)")
+    out = DTensor(local, spec, requires_grad=False)
+    if out.shape != like.shape or out.placements != like.placements:
+        raise _fail("a DTensor constructor that keeps the sharding spec")
+    return out

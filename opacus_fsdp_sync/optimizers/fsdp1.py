@@ -73,6 +73,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         self._held_sizes = sizes
         for p, noised in zip(owned, self._noised(summed)):
             p.grad = noised.view_as(p)
+            self.grad_state[p]["summed_grad"] = None  # not kept alive through the inner step
 
     def _add_secure_noise(self) -> None:
         """Opacus's secure draw per held shard; :meth:`scale_grad` divides afterwards."""
@@ -80,8 +81,9 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
 
         for p in self._owned():
             summed = self.grad_state[p]["summed_grad"]
+            multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
             noise = _generate_noise(
-                std=self.noise_multiplier * self.max_grad_norm,
+                std=multiplier * self.max_grad_norm,
                 reference=summed,
                 generator=self.generator,
                 secure_mode=True,

@@ -146,6 +146,7 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
             add_scaled_into(noises, summed, factor)
         for p, g in zip(self.params, noises):
             p.grad = g.view_as(p)
+            p.summed_grad = None  # not kept alive through the inner step
 
     def scale_grad(self) -> None:
         """Nothing after :meth:`add_noise` (it scaled already); else Opacus's division."""
