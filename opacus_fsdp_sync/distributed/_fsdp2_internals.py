@@ -242,25 +242,27 @@ def reduce_clipped_gradients(modules: list[nn.Module], grads: dict) -> None:
             state._root_post_backward_final_callback()
 
 
-def dtensor_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``like``'s sharding spec around ``local`` (no autograd, no copy).
+def swap_local(dt: torch.Tensor, local: torch.Tensor) -> None:
+    """Makes the DTensor ``dt`` hold ``local`` as its local tensor (no autograd, no copy).
 
-    What FSDP2 itself uses for its sharded gradients (``DTensor(local, spec)``), without the
-    autograd function of the public ``DTensor.from_local`` (tens of microseconds per call).
+    The old local tensor is dropped, with everything it kept alive (FSDP2's sharded gradients
+    are views of its reduce-scatter output: ``Tensor.set_`` would move the data but keep that
+    output alive through ``_base``). About 0.2 us, against 4 us for a new ``DTensor(local, spec)``
+    and 24 us for ``DTensor.from_local``.
 
     Args:
-        like: A DTensor (the gradient being replaced).
-        local: Its new local tensor: same shape, dtype and device as ``like``'s.
+        dt: A DTensor (the gradient whose data moves).
+        local: Its new local tensor: same shape, dtype and device as the old one.
 
     Raises:
-        FSDPInternalsError: if ``like`` has no ``_spec`` or the result does not match ``like``.
+        FSDPInternalsError: if ``dt`` has no ``_local_tensor`` or ``local`` does not match it.
     """
-    from torch.distributed.tensor import DTensor
-
-    spec = getattr(like, "_spec", None)
-    if spec is None:
-        raise _fail("DTensor._spec (the sharding spec of a gradient)")
-    out = DTensor(local, spec, requires_grad=False)
-    if out.shape != like.shape or out.placements != like.placements:
-        raise _fail("a DTensor constructor that keeps the sharding spec")
-    return out
+    old = getattr(dt, "_local_tensor", None)
+    if not isinstance(old, torch.Tensor):
+        raise _fail("DTensor._local_tensor (the local shard of a gradient)")
+    if (old.shape, old.dtype, old.device) != (local.shape, local.dtype, local.device):
+        raise ValueError(
+            f"swap_local: new local tensor {tuple(local.shape)} {local.dtype} {local.device} "
+            f"does not match the old {tuple(old.shape)} {old.dtype} {old.device}"
+        )
+    dt._local_tensor = local

@@ -18,7 +18,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..distributed._fsdp2_internals import dtensor_like
+from ..distributed._fsdp2_internals import swap_local
 from .noised_step import FlatNoiseStep
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
@@ -119,8 +119,8 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         the gradients), so the scaling is done here and :meth:`scale_grad` does nothing.
         Works on the local tensors (no DTensor dispatch per parameter): one Gaussian draw per
         dtype and device for all shards together (prefetched during the backward), then
-        ``noise += factor * summed`` (:mod:`.noised_step`) and each gradient becomes a DTensor
-        around its slice of the noise buffer. The summed gradient (a view of FSDP2's
+        ``noise += factor * summed`` (:mod:`.noised_step`) and each gradient DTensor takes its
+        slice of the noise buffer as its local tensor. The summed gradient (a view of FSDP2's
         reduce-scatter output) is released here, not at ``zero_grad``: only one gradient-sized
         buffer is alive through the wrapped optimizer's step. (A single ``lerp`` is not used:
         with weight ``1 - 1/B`` in fp32 it mis-scales the gradient by up to ``B * 2^-25``
@@ -133,5 +133,8 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
             locals_.append(self._local(p.grad))
         for p, local, noised in zip(self.params, locals_, self._noised(locals_)):
             if noised is not local:
-                p.grad = dtensor_like(p.grad, noised) if isinstance(p.grad, DTensor) else noised
+                if isinstance(p.grad, DTensor):
+                    swap_local(p.grad, noised)
+                else:
+                    p.grad = noised
             self.grad_state[p]["summed_grad"] = None
