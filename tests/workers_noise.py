@@ -26,14 +26,36 @@ class Wide(nn.Module):
         return self.head(self.block(x))
 
 
-def _step(base, x, y, rank, world, strategy, noise, backend="fsdp2"):
-    """One private SGD step (lr 1, C 1) of a sharded copy of ``base``; returns the model."""
+def _sharded(base, backend="fsdp2", strategy="full"):
+    """A sharded copy of ``base`` (one unit per large layer, CPU)."""
     cfg = ShardingConfig(
         strategy=strategy, wrap_policy="size_based", min_num_params=1000, backend=backend
     )
-    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+    return shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+
+
+def _private(base, x, y, world, *, backend="fsdp2", strategy="full", noise=1.0, lr=1.0, seed=None):
+    """``(model, gsm, opt, crit)``: a private ``ghost_fsdp`` (C 1, SGD) sharded copy of ``base``."""
+    model = _sharded(base, backend, strategy)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
     gsm, opt, crit, _ = make_private(
-        PrivacyEngine(), model, (x, y), B_LOCAL * world, 1.0, "ghost_fsdp", noise=noise, lr=1.0
+        PrivacyEngine(),
+        model,
+        (x, y),
+        B_LOCAL * world,
+        1.0,
+        "ghost_fsdp",
+        noise=noise,
+        lr=lr,
+        noise_generator=gen,
+    )
+    return model, gsm, opt, crit
+
+
+def _step(base, x, y, rank, world, strategy, noise, backend="fsdp2"):
+    """One private SGD step (lr 1, C 1) of a sharded copy of ``base``; returns the model."""
+    model, gsm, opt, crit = _private(
+        base, x, y, world, backend=backend, strategy=strategy, noise=noise
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     crit(gsm(x[lo:hi]), y[lo:hi]).backward()
@@ -92,8 +114,7 @@ def sum_reduction(rank: int, world: int, backend: str) -> dict:
     C = norms.median().item()
     ref = copy.deepcopy(base)
     clip_each_sample_step(ref, loss_fn, x, y, C, 0.05, loss_reduction="sum")
-    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
-    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+    model = _sharded(base, backend)
     gsm, opt, crit, _ = make_private(
         PrivacyEngine(),
         model,
@@ -146,19 +167,7 @@ def prefetch_vs_draw_at_step(rank: int, world: int, backend: str = "fsdp2") -> d
         params = {}
         drawn_ahead = 0
         for prefetch in (True, False):
-            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
-            model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-            gsm, opt, crit, _ = make_private(
-                PrivacyEngine(),
-                model,
-                (x, y),
-                b,
-                1.0,
-                "ghost_fsdp",
-                noise=1.0,
-                lr=1.0,
-                noise_generator=torch.Generator().manual_seed(7),
-            )
+            model, gsm, opt, crit = _private(base, x, y, world, backend=backend, seed=7)
             if not prefetch:
                 opt.prefetch_noise = lambda: None
             for s in range(2):
@@ -175,7 +184,7 @@ def prefetch_vs_draw_at_step(rank: int, world: int, backend: str = "fsdp2") -> d
                     opt.step()
                     opt.zero_grad()
             params[prefetch] = _full(model, backend)
-        start = _full(shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu")), backend)
+        start = _full(_sharded(base, backend), backend)
         out[case] = {
             "diff": max((params[True][n] - params[False][n]).abs().max().item() for n in start),
             "moved": max((params[True][n] - start[n]).abs().max().item() for n in start),
@@ -187,8 +196,7 @@ def prefetch_vs_draw_at_step(rank: int, world: int, backend: str = "fsdp2") -> d
 def large_batch_scale(rank: int, world: int, batch: int) -> dict:
     """With a tiny noise multiplier, the step's gradient must be the summed gradient / B."""
     torch.manual_seed(0)
-    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
-    model = shard_model(Wide(), cfg, device=torch.device("cpu"))
+    model = _sharded(Wide())
     x, y = torch.zeros(batch * world, 16), torch.zeros(batch * world, dtype=torch.long)
     gsm, opt, crit, _ = make_private(
         PrivacyEngine(), model, (x, y), batch * world, 1.0, "ghost_fsdp", noise=1e-20, lr=0.0
@@ -222,11 +230,7 @@ def unused_parameter_gets_noise(rank: int, world: int) -> dict:
     b = B_LOCAL * world
     out = {}
     for noise in (0.0, 1.0):
-        cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
-        model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-        gsm, opt, crit, _ = make_private(
-            PrivacyEngine(), model, (x, y), b, 1.0, "ghost_fsdp", noise=noise, lr=1.0
-        )
+        model, gsm, opt, crit = _private(base, x, y, world, noise=noise)
         lo = rank * B_LOCAL
         for s in range(2):
             model.use_b = s == 0
@@ -268,19 +272,7 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int, backend: str
         grads: dict[bool, list] = {}
         summed: list = []
         for zero_loss in (False, True):
-            cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000, backend=backend)
-            model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-            gsm, opt, crit, _ = make_private(
-                PrivacyEngine(),
-                model,
-                (x, y),
-                b,
-                1.0,
-                "ghost_fsdp",
-                noise=1.0,
-                lr=0.1,
-                noise_generator=torch.Generator().manual_seed(11),
-            )
+            model, gsm, opt, crit = _private(base, x, y, world, backend=backend, lr=0.1, seed=11)
             lo = rank * B_LOCAL
             grads[zero_loss] = []
             for s in range(2):
@@ -320,11 +312,7 @@ def reduce_scatter_output_is_released(rank: int, world: int) -> dict:
     x, y = _data(world, 2)
     y = y % 64
     b = B_LOCAL * world
-    cfg = ShardingConfig(wrap_policy="size_based", min_num_params=1000)
-    model = shard_model(Wide(), cfg, device=torch.device("cpu"))
-    gsm, opt, crit, _ = make_private(
-        PrivacyEngine(), model, (x, y), b, 1.0, "ghost_fsdp", noise=1.0, lr=0.1
-    )
+    model, gsm, opt, crit = _private(Wide(), x, y, world, lr=0.1)
     lo = rank * B_LOCAL
     out = {"bases": 0, "alive_after_step": 0}
     for s in range(2):

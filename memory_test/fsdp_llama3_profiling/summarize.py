@@ -45,6 +45,11 @@ COLUMNS = [
 ]
 
 
+def _phase_median(phases: dict, name: str) -> str:
+    """A phase's median in ms (one decimal), or empty when the mode has no such phase."""
+    return f"{phases[name]['median']:.1f}" if name in phases else ""
+
+
 def _comm(result: dict, kind: str, phase: str | None = None, field: str = "bytes") -> float:
     phases = result.get("comm_per_step", {})
     keys = [phase] if phase else list(phases)
@@ -101,13 +106,9 @@ def rows(results: list[dict]) -> list[dict]:
                 vs_ghost_fsdp=f"{med / up:.3f}" if up else "",
                 vs_no_dp=f"{med / floor:.3f}" if floor else "",
                 tokens_per_s=f"{r['tokens_per_s']:.0f}",
-                first_backward_ms=f"{ph['first_backward']['median']:.1f}"
-                if "first_backward" in ph
-                else "",
-                second_backward_ms=f"{ph['second_backward']['median']:.1f}"
-                if "second_backward" in ph
-                else "",
-                tied_norm_ms=f"{ph['tied_norm']['median']:.1f}" if "tied_norm" in ph else "",
+                first_backward_ms=_phase_median(ph, "first_backward"),
+                second_backward_ms=_phase_median(ph, "second_backward"),
+                tied_norm_ms=_phase_median(ph, "tied_norm"),
                 rs_MiB_first_backward=f"{_comm(r, 'reduce_scatter', 'first_backward') / 2**20:.2f}",
                 rs_MiB_per_step=f"{_comm(r, 'reduce_scatter') / 2**20:.2f}",
                 ag_MiB_per_step=f"{_comm(r, 'all_gather') / 2**20:.2f}",
@@ -119,9 +120,7 @@ def rows(results: list[dict]) -> list[dict]:
                 autograd_saved_MiB=f"{r['autograd_saved_bytes'] / 2**20:.1f}"
                 if "autograd_saved_bytes" in r
                 else "",
-                optimizer_ms=f"{ph['optimizer_step']['median']:.1f}"
-                if "optimizer_step" in ph
-                else "",
+                optimizer_ms=_phase_median(ph, "optimizer_step"),
                 peak_mem_MiB=f"{r['peak_memory']['bytes'] / 2**20:.0f}",
             )
         out.append(row)

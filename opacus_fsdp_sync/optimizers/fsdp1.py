@@ -15,7 +15,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 
 from .fsdp2 import shard_generator
-from .noised_step import FlatNoiseStep
+from .noised_step import FlatNoiseStep, add_to_sum
 
 
 class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
@@ -46,13 +46,8 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         keep = bool(self._check_skip_next_step(pop_next=False))
         for p in self._owned():
             state = self.grad_state[p]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if state["summed_grad"] is not None:
-                state["summed_grad"].add_(grad)
-            elif keep:  # the next micro-batch's backward writes into p.grad
-                state["summed_grad"] = grad.detach().clone()
-            else:
-                state["summed_grad"] = grad.detach()
+            grad = None if p.grad is None else p.grad.detach()
+            state["summed_grad"] = add_to_sum(state["summed_grad"], grad, p, keep)
 
     def _noise_sizes(self) -> dict[tuple, int] | None:
         # Between forward and backward FSDP1 may hold the parameters unsharded: the held shards'
@@ -76,7 +71,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             self.grad_state[p]["summed_grad"] = None  # not kept alive through the inner step
 
     def _add_secure_noise(self) -> None:
-        """Opacus's secure draw per held shard; :meth:`scale_grad` divides afterwards."""
+        """Opacus's secure draw and division per held shard (``scale_grad`` then does nothing)."""
         from opacus.optimizers.optimizer import _generate_noise
 
         for p in self._owned():
@@ -93,12 +88,6 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             else:  # FSDP averaged the gradients: the sum is world_size times that
                 summed = summed * self.world_size
             p.grad = (summed + noise).view_as(p)
-
-    def scale_grad(self) -> None:
-        """Nothing after the one-pass step (it scaled); secure noise: divides held gradients."""
-        if getattr(self, "_scaled", False):
-            self._scaled = False
-            return
-        if self.loss_reduction == "mean":
-            for p in self._owned():
+            if self.loss_reduction == "mean":  # Opacus's scale_grad, on the held shards only
                 p.grad /= self.expected_batch_size * self.accumulated_iterations
+        self._scaled = True

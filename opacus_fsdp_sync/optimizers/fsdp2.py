@@ -19,7 +19,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.distributed.tensor import DTensor
 
 from ..distributed._fsdp2_internals import swap_local
-from .noised_step import FlatNoiseStep
+from .noised_step import FlatNoiseStep, add_to_sum
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
 
@@ -91,13 +91,7 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
             state = self.grad_state[p]
             # A parameter this step did not use has no gradient (the engine clears gradients to
             # None between passes): it counts as zeros and still gets its noise.
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if state["summed_grad"] is not None:
-                state["summed_grad"].add_(grad)
-            elif keep:  # later backward passes zero p.grad in place
-                state["summed_grad"] = grad.clone()
-            else:
-                state["summed_grad"] = grad
+            state["summed_grad"] = add_to_sum(state["summed_grad"], p.grad, p, keep)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t

@@ -39,13 +39,51 @@ def noise_plan(
     return float(world_size), std
 
 
+def optimizer_noise_plan(opt, accumulated: int) -> tuple[float, float]:
+    """:func:`noise_plan` for an Opacus DP optimizer ``opt`` (its adjusted noise multiplier)."""
+    return noise_plan(
+        noise_multiplier=getattr(opt, "_adjusted_noise_multiplier", opt.noise_multiplier),
+        max_grad_norm=opt.max_grad_norm,
+        loss_reduction=opt.loss_reduction,
+        expected_batch_size=opt.expected_batch_size,
+        world_size=opt.world_size,
+        accumulated=accumulated,
+    )
+
+
+def add_to_sum(
+    summed: torch.Tensor | None, grad: torch.Tensor | None, param: torch.Tensor, keep: bool
+) -> torch.Tensor:
+    """The running sum of ``param``'s gradients after adding ``grad`` (None counts as zeros).
+
+    The first gradient is taken as it is, without Opacus's copy, unless ``keep`` (the step will
+    be skipped: the next micro-batch's backward writes into ``p.grad``, so the sum must not alias
+    it). Later gradients are added in place.
+    """
+    grad = grad if grad is not None else torch.zeros_like(param)
+    if summed is not None:
+        return summed.add_(grad)
+    return grad.clone() if keep else grad
+
+
 def add_scaled_into(noises: list[torch.Tensor], grads: list[torch.Tensor], factor: float) -> None:
     """``noises[i] += factor * grads[i]`` for every ``i``, in one foreach pass."""
     if noises:
         torch._foreach_add_(noises, grads, alpha=factor)
 
 
-class FlatNoiseStep:
+class ScaledWithNoise:
+    """Mixin: ``scale_grad`` does nothing after an ``add_noise`` that scaled (set ``_scaled``)."""
+
+    def scale_grad(self) -> None:
+        """Nothing when ``add_noise`` scaled already (always, in a step); else Opacus's division."""
+        if getattr(self, "_scaled", False):
+            self._scaled = False
+            return
+        super().scale_grad()
+
+
+class FlatNoiseStep(ScaledWithNoise):
     """Mixin for Opacus's FSDP optimizer: one flat noise draw per dtype and device, one pass.
 
     The subclass provides :meth:`_noise_sizes` (the flat sizes, known before the gradients, or
@@ -53,16 +91,6 @@ class FlatNoiseStep:
     noise of the next step is drawn during the backward (:meth:`prefetch_noise`, called by the
     engine); the same seed gives the same noise either way.
     """
-
-    def _noise_plan(self, accumulated: int) -> tuple[float, float]:
-        return noise_plan(
-            noise_multiplier=getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier),
-            max_grad_norm=self.max_grad_norm,
-            loss_reduction=self.loss_reduction,
-            expected_batch_size=self.expected_batch_size,
-            world_size=self.world_size,
-            accumulated=accumulated,
-        )
 
     def _noise_sizes(self) -> dict[tuple, int] | None:
         """``{(dtype, device): numel}`` of the next step's local gradients, or None if unknown."""
@@ -77,7 +105,7 @@ class FlatNoiseStep:
         """
         if getattr(self, "_prefetched", None) is not None:
             return
-        _, std = self._noise_plan(1)
+        _, std = optimizer_noise_plan(self, 1)
         sizes = self._noise_sizes()
         if std == 0 or not sizes:
             return
@@ -94,7 +122,7 @@ class FlatNoiseStep:
         gradients are scaled in place and returned. Sets the flag that makes ``scale_grad`` a
         no-op for this step.
         """
-        factor, std = self._noise_plan(self.accumulated_iterations)
+        factor, std = optimizer_noise_plan(self, self.accumulated_iterations)
         prefetched, self._prefetched = getattr(self, "_prefetched", None), None
         flats = prefetched.take(std if std else prefetched.std) if prefetched else {}
         self._scaled = True
@@ -116,10 +144,3 @@ class FlatNoiseStep:
                 out[i] = n.view_as(grads[i])
         add_scaled_into(out, grads, factor)
         return out
-
-    def scale_grad(self) -> None:
-        """Nothing after :meth:`_noised` (it scaled already); else Opacus's division."""
-        if getattr(self, "_scaled", False):
-            self._scaled = False
-            return
-        super().scale_grad()

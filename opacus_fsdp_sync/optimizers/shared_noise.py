@@ -18,10 +18,10 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
 
-from .noised_step import add_scaled_into, noise_plan
+from .noised_step import ScaledWithNoise, add_scaled_into, add_to_sum, optimizer_noise_plan
 
 
-class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
+class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
     """``DPOptimizerFastGradientClipping`` for gradients already averaged over DDP ranks.
 
     Args:
@@ -70,16 +70,6 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = _shared_generator(generator, device)
 
-    def _plan(self, accumulated: int) -> tuple[float, float]:
-        return noise_plan(
-            noise_multiplier=getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier),
-            max_grad_norm=self.max_grad_norm,
-            loss_reduction=self.loss_reduction,
-            expected_batch_size=self.expected_batch_size,
-            world_size=self.world_size,
-            accumulated=accumulated,
-        )
-
     def _draw(self, std: float) -> list[torch.Tensor]:
         """One noise tensor per parameter, in parameter order (Opacus's own draw, at ``std``)."""
         return [
@@ -92,13 +82,8 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         """Like Opacus, without its copy when this step is not accumulated over several calls."""
         keep = bool(self._check_skip_next_step(pop_next=False))
         for p in self.params:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            if p.summed_grad is not None:
-                p.summed_grad.add_(grad)
-            elif keep:  # the next micro-batch's backward writes into p.grad
-                p.summed_grad = grad.detach().clone()
-            else:
-                p.summed_grad = grad.detach()
+            grad = None if p.grad is None else p.grad.detach()
+            p.summed_grad = add_to_sum(p.summed_grad, grad, p, keep)
 
     def prefetch_noise(self) -> None:
         """Starts drawing the next step's noise now, to overlap the backward.
@@ -109,7 +94,7 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         """
         if getattr(self, "_prefetched", None) is not None or not self.params:
             return
-        _, std = self._plan(1)
+        _, std = optimizer_noise_plan(self, 1)
         if std == 0:
             return
         from .noise_prefetch import DrawAhead
@@ -124,7 +109,7 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         during the backward when :meth:`prefetch_noise` was called; ``noise += factor *
         summed`` is one pass (:mod:`.noised_step`), so :meth:`scale_grad` has nothing left to do.
         """
-        factor, std = self._plan(self.accumulated_iterations)
+        factor, std = optimizer_noise_plan(self, self.accumulated_iterations)
         pending, self._prefetched = getattr(self, "_prefetched", None), None
         noises = None
         if pending is not None:
@@ -147,13 +132,6 @@ class SharedNoiseDPOptimizer(DPOptimizerFastGradientClipping):
         for p, g in zip(self.params, noises):
             p.grad = g.view_as(p)
             p.summed_grad = None  # not kept alive through the inner step
-
-    def scale_grad(self) -> None:
-        """Nothing after :meth:`add_noise` (it scaled already); else Opacus's division."""
-        if getattr(self, "_scaled", False):
-            self._scaled = False
-            return
-        super().scale_grad()
 
 
 def _shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
