@@ -15,7 +15,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 
 from .fsdp2 import shard_generator
-from .noised_step import FlatNoiseStep, add_to_sum
+from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
 
 
 class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
@@ -31,7 +31,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
 
     def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
         super().__init__(optimizer, generator=generator, secure_mode=secure_mode, **kwargs)
-        self._held_sizes: dict[tuple, int] | None = None
+        self._held_layout: tuple[tuple, ...] | None = None
         if not secure_mode:
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
@@ -49,11 +49,11 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             grad = None if p.grad is None else p.grad.detach()
             state["summed_grad"] = add_to_sum(state["summed_grad"], grad, p, keep)
 
-    def _noise_sizes(self) -> dict[tuple, int] | None:
+    def _noise_layout(self) -> tuple[tuple, ...] | None:
         # Between forward and backward FSDP1 may hold the parameters unsharded: the held shards'
-        # sizes come from the last step (None before the first, which draws at step time).
+        # layout comes from the last step (None before the first, which draws at step time).
         # Secure noise is never drawn ahead.
-        return None if self.secure_mode else self._held_sizes
+        return None if self.secure_mode else self._held_layout
 
     @torch.no_grad()
     def add_noise(self) -> None:
@@ -62,10 +62,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             return self._add_secure_noise()
         owned = self._owned()
         summed = [self.grad_state[p]["summed_grad"] for p in owned]
-        sizes: dict[tuple, int] = {}
-        for g in summed:
-            sizes[(g.dtype, g.device)] = sizes.get((g.dtype, g.device), 0) + g.numel()
-        self._held_sizes = sizes
+        self._held_layout = noise_layout(summed)
         for p, noised in zip(owned, self._noised(summed)):
             p.grad = noised.view_as(p)
             self.grad_state[p]["summed_grad"] = None  # not kept alive through the inner step

@@ -19,7 +19,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.distributed.tensor import DTensor
 
 from ..distributed._fsdp2_internals import swap_local
-from .noised_step import FlatNoiseStep, add_to_sum
+from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
 
@@ -80,6 +80,19 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(generator, device, shard_coordinate(self.params))
 
+    def _param_states(self) -> tuple[list, list[dict]]:
+        """The trainable parameters and their ``grad_state`` entries (cached per parameter set).
+
+        Saves a Python-level ``Tensor.__hash__`` per parameter and lookup, several per step.
+        """
+        params = self.params
+        key = (id(self.grad_state), *map(id, params))
+        if getattr(self, "_states_key", None) != key:
+            self._states_key = key
+            self._states = [self.grad_state[p] for p in params]
+            self._layout = noise_layout([self._local(p) for p in params])
+        return params, self._states
+
     @torch.no_grad()
     def accumulate(self) -> None:
         """Like Opacus, without a copy when this step is not accumulated over several calls.
@@ -87,22 +100,25 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         Under ``no_grad`` (DTensor ops then skip their autograd wrappers).
         """
         keep = bool(self._check_skip_next_step(pop_next=False))
-        for p in self.params:
-            state = self.grad_state[p]
+        for p, state in zip(*self._param_states()):
             # A parameter this step did not use has no gradient (the engine clears gradients to
             # None between passes): it counts as zeros and still gets its noise.
             state["summed_grad"] = add_to_sum(state["summed_grad"], p.grad, p, keep)
 
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus's ``zero_grad`` (drops the summed gradients unless the step was skipped)."""
+        if not self._is_last_step_skipped:
+            for state in self._param_states()[1]:
+                state["summed_grad"] = None
+        self.original_optimizer.zero_grad(set_to_none)
+
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _noise_sizes(self) -> dict[tuple, int]:
-        sizes: dict[tuple, int] = {}
-        for p in self.params:
-            local = self._local(p)
-            key = (local.dtype, local.device)
-            sizes[key] = sizes.get(key, 0) + local.numel()
-        return sizes
+    def _noise_layout(self) -> tuple[tuple, ...]:
+        self._param_states()
+        return self._layout
 
     @torch.no_grad()
     def add_noise(self) -> None:
@@ -120,15 +136,20 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         with weight ``1 - 1/B`` in fp32 it mis-scales the gradient by up to ``B * 2^-25``
         relative, 1e-3 at B = 60 000.)
         """
-        locals_ = []
-        for p in self.params:
-            summed = self.grad_state[p]["summed_grad"]
-            p.grad = summed if summed.shape == p.shape else summed.view_as(p)
-            locals_.append(self._local(p.grad))
-        for p, local, noised in zip(self.params, locals_, self._noised(locals_)):
-            if noised is not local:
-                if isinstance(p.grad, DTensor):
-                    swap_local(p.grad, noised)
-                else:
-                    p.grad = noised
-            self.grad_state[p]["summed_grad"] = None
+        params, states = self._param_states()
+        grads = []
+        for p, state in zip(params, states):
+            summed, state["summed_grad"] = state["summed_grad"], None
+            if summed.shape != p.shape:
+                summed = summed.view_as(p)
+            if p.grad is not summed:
+                p.grad = summed
+            grads.append(summed)
+        locals_ = [self._local(g) for g in grads]
+        for p, grad, local, noised in zip(params, grads, locals_, self._noised(locals_)):
+            if noised is local:
+                continue
+            if isinstance(grad, DTensor):
+                swap_local(grad, noised)
+            else:
+                p.grad = noised

@@ -14,40 +14,37 @@ import torch
 
 
 class NoisePrefetch:
-    """One pending draw: a flat buffer per ``(dtype, device)`` of ``N(0, std^2)`` samples.
+    """One pending draw: :func:`~.noised_step.draw_flat_noise` of ``layout`` at ``std``.
 
     Args:
-        sizes: ``{(dtype, device): numel}`` of the flat buffers, in the order they are drawn.
+        layout: ``((shape, dtype, device), ...)`` of the gradients the noise is for.
         std: The standard deviation drawn with.
         generator: The generator to draw from (used by nothing else until :meth:`take`).
     """
 
-    def __init__(self, sizes: dict[tuple, int], std: float, generator: torch.Generator):
+    def __init__(self, layout: tuple[tuple, ...], std: float, generator: torch.Generator):
+        from .noised_step import draw_flat_noise
+
         self.std = std
-        self._keys = list(sizes)
-        cuda = [dev for (_, dev) in sizes if dev.type == "cuda"]
+        self.layout = layout
+        cuda = [device for (_, _, device) in layout if device.type == "cuda"]
+        self._ahead = DrawAhead(
+            lambda: draw_flat_noise(layout, std, generator),
+            cuda[0] if cuda else torch.device("cpu"),
+        )
 
-        def draw() -> list[torch.Tensor]:
-            return [
-                torch.empty(n, dtype=dtype, device=dev).normal_(0.0, std, generator=generator)
-                for (dtype, dev), n in sizes.items()
-            ]
-
-        self._ahead = DrawAhead(draw, cuda[0] if cuda else torch.device("cpu"))
-
-    def take(self, std: float) -> dict[tuple, torch.Tensor]:
-        """Waits for the draw; returns the buffers, rescaled if ``std`` differs from the drawn one.
+    def take(self, std: float) -> list[torch.Tensor]:
+        """Waits for the draw; returns the views, rescaled if ``std`` differs from the drawn one.
 
         Always call it before the generator is used again (it joins the drawing thread).
 
         Raises:
             BaseException: whatever the background draw raised.
         """
-        buffers = self._ahead.result()
-        if std != self.std:
-            for buf in buffers:
-                buf.mul_(std / self.std)
-        return dict(zip(self._keys, buffers))
+        views = self._ahead.result()
+        if std != self.std and views:
+            torch._foreach_mul_(views, std / self.std)
+        return views
 
 
 class DrawAhead:

@@ -83,17 +83,43 @@ class ScaledWithNoise:
         super().scale_grad()
 
 
+def noise_layout(tensors: list[torch.Tensor]) -> tuple[tuple, ...]:
+    """``((shape, dtype, device), ...)`` of ``tensors``: what :func:`draw_flat_noise` draws for."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def draw_flat_noise(layout: tuple[tuple, ...], std: float, generator) -> list[torch.Tensor]:
+    """``N(0, std^2)`` noise for each tensor of ``layout``, as views of one flat draw per key.
+
+    One buffer per ``(dtype, device)``, drawn in order of first appearance in ``layout`` (the
+    same draws whether this runs during the backward or at step time); the returned views follow
+    ``layout``'s order and shapes.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, dtype, device) in enumerate(layout):
+        groups.setdefault((dtype, device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(layout)
+    for (dtype, device), idx in groups.items():
+        numels = [layout[i][0].numel() for i in idx]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        flat.normal_(0.0, std, generator=generator)
+        for i, part in zip(idx, flat.split(numels)):
+            out[i] = part.view(layout[i][0])
+    return out
+
+
 class FlatNoiseStep(ScaledWithNoise):
     """Mixin for Opacus's FSDP optimizer: one flat noise draw per dtype and device, one pass.
 
-    The subclass provides :meth:`_noise_sizes` (the flat sizes, known before the gradients, or
-    None) and an ``add_noise`` that collects the local gradients and calls :meth:`_noised`. The
-    noise of the next step is drawn during the backward (:meth:`prefetch_noise`, called by the
-    engine); the same seed gives the same noise either way.
+    The subclass provides :meth:`_noise_layout` (the local gradients' shapes, dtypes and devices,
+    known before the gradients, or None) and an ``add_noise`` that collects the local gradients
+    and calls :meth:`_noised`. The noise of the next step, already split into gradient-shaped
+    views, is drawn during the backward (:meth:`prefetch_noise`, called by the engine); the same
+    seed gives the same noise either way.
     """
 
-    def _noise_sizes(self) -> dict[tuple, int] | None:
-        """``{(dtype, device): numel}`` of the next step's local gradients, or None if unknown."""
+    def _noise_layout(self) -> tuple[tuple, ...] | None:
+        """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
         raise NotImplementedError
 
     def prefetch_noise(self) -> None:
@@ -106,41 +132,33 @@ class FlatNoiseStep(ScaledWithNoise):
         if getattr(self, "_prefetched", None) is not None:
             return
         _, std = optimizer_noise_plan(self, 1)
-        sizes = self._noise_sizes()
-        if std == 0 or not sizes:
+        layout = self._noise_layout()
+        if std == 0 or not layout:
             return
         from .noise_prefetch import NoisePrefetch
 
-        self._prefetched = NoisePrefetch(sizes, std, self.generator)
+        self._prefetched = NoisePrefetch(layout, std, self.generator)
 
     @torch.no_grad()
     def _noised(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``factor * g + noise`` for each local gradient ``g``; the results are new tensors.
 
-        One flat noise buffer per ``(dtype, device)`` (the prefetched one when its size
-        matches), the gradients added into it with :func:`add_scaled_into`; without noise the
-        gradients are scaled in place and returned. Sets the flag that makes ``scale_grad`` a
-        no-op for this step.
+        Views of one flat noise buffer per ``(dtype, device)`` (the prefetched ones when the
+        layout matches), the gradients added into them with :func:`add_scaled_into`; without
+        noise the gradients are scaled in place and returned. Sets the flag that makes
+        ``scale_grad`` a no-op for this step.
         """
         factor, std = optimizer_noise_plan(self, self.accumulated_iterations)
         prefetched, self._prefetched = getattr(self, "_prefetched", None), None
-        flats = prefetched.take(std if std else prefetched.std) if prefetched else {}
+        # Always joined (before the generator is used again), even when not used.
+        drawn = prefetched.take(std if std else prefetched.std) if prefetched else None
         self._scaled = True
         if std == 0:
             if factor != 1.0 and grads:
                 torch._foreach_mul_(grads, factor)
             return grads
-        groups: dict[tuple, list[int]] = {}
-        for i, g in enumerate(grads):
-            groups.setdefault((g.dtype, g.device), []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        for key, idx in groups.items():
-            numels = [grads[i].numel() for i in idx]
-            flat = flats.get(key)
-            if flat is None or flat.numel() != sum(numels):
-                flat = torch.empty(sum(numels), dtype=key[0], device=key[1])
-                flat.normal_(0.0, std, generator=self.generator)
-            for i, n in zip(idx, flat.split(numels)):
-                out[i] = n.view_as(grads[i])
-        add_scaled_into(out, grads, factor)
-        return out
+        layout = noise_layout(grads)
+        if drawn is None or prefetched.layout != layout:
+            drawn = draw_flat_noise(layout, std, self.generator)
+        add_scaled_into(drawn, grads, factor)
+        return drawn
