@@ -8,6 +8,7 @@ distributed controller around the first pass and the timers around each phase.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -207,7 +208,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         timer.end_step()
 
     def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
-        from .one_backward import clipped_gradients
+        from .one_backward import by_parameter, clipped_gradients
 
         timer = self.context.timer
         kept = self.module.take_kept()
@@ -226,12 +227,31 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             )
         self.context.kept_bytes = sum(held.values())
         type_of = getattr(self.module, "_get_module_type", type)
+        handoff = self.context.handoff
+        name = getattr(handoff, "phase", "reduce_scatter")
+        deliver = getattr(handoff, "deliver", None)
+        if deliver is not None:  # computes each group's gradients as it hands them over
+
+            def compute(entries: list) -> dict:
+                with phase("weight_grads"), timer.phase("weight_grads"):
+                    return by_parameter(
+                        clipped_gradients(entries, coeff, self.loss_reduction, type_of)
+                    )
+
+            deliver(kept, compute, lambda: _both(phase(name), timer.phase(name)))
+            return
         with phase("weight_grads"), timer.phase("weight_grads"):
             grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
         del kept
-        name = getattr(self.context.handoff, "phase", "reduce_scatter")
         with phase(name), timer.phase(name):
-            self.context.handoff(grads)
+            handoff(grads)
+
+
+@contextmanager
+def _both(first, second):
+    """Enters two context managers as one."""
+    with first, second:
+        yield
 
 
 class SyncDPLoss(DPLossFastGradientClipping):

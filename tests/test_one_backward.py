@@ -111,3 +111,14 @@ def test_fsdp2_user_accumulation_without_sync_is_kept(dtype, tol):
     for res in run_ranks(w1.unsynced_microbatch_then_synced, 2, dtype, timeout=300):
         assert res["moved"] > 1e-3
         assert res["one_vs_two"] <= tol
+
+
+@pytest.mark.distributed
+def test_fsdp2_handoff_reduces_one_group_at_a_time():
+    """At each group's post-backward only that group's unsharded gradients exist."""
+    for res in run_ranks(w1.handoff_group_by_group, 2, timeout=300):
+        with_grads = [(i, live) for i, live in res["calls"] if live]
+        n = res["n_groups"]
+        assert n == 4, res  # three blocks and the root
+        assert [i for i, _ in with_grads] == list(range(n - 1, -1, -1)), res  # each group once
+        assert all(live == [i] for i, live in with_grads), res

@@ -113,3 +113,43 @@ def unsynced_microbatch_then_synced(rank: int, world: int, dtype: str) -> dict:
         out[one] = _full_params(model)
     start = {n: p.detach().float() for n, p in base.named_parameters()}
     return {"one_vs_two": _max_diff(out[True], out[False]), "moved": _max_diff(out[True], start)}
+
+
+def handoff_group_by_group(rank: int, world: int) -> dict:
+    """Which groups hold unsharded gradients each time FSDP2's post-backward runs.
+
+    The one-backward hand-off computes and reduces one group at a time, so at each group's
+    post-backward only that group's unsharded gradients exist (not the whole model's).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from opacus_fsdp_sync.distributed import _fsdp2_internals as internals
+
+    torch.manual_seed(0)
+    base = ToyNet()
+    x, y = _data(world, 1)
+    model = _shard(copy.deepcopy(base), world, "fp32")
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (x, y), B_LOCAL * world, 0.5, "ghost_fsdp", lr=LR
+    )
+    groups = list(internals.iter_param_groups([model]))
+    calls = []
+    orig = FSDPParamGroup.post_backward
+
+    def recording(self, *args, **kwargs):
+        live = [
+            i
+            for i, g in enumerate(groups)
+            if any(internals.holds_unsharded_grad(fp) for fp in internals.fsdp_params(g))
+        ]
+        calls.append((groups.index(self), live))
+        return orig(self, *args, **kwargs)
+
+    FSDPParamGroup.post_backward = recording
+    try:
+        lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+        crit(gsm(x[lo:hi]), y[lo:hi]).backward()
+    finally:
+        FSDPParamGroup.post_backward = orig
+    opt.step()
+    return {"calls": calls, "n_groups": len(groups)}

@@ -194,52 +194,68 @@ def param_location(fsdp_param) -> tuple[nn.Module, str]:
 # --- One-backward hand-off (opacus_fsdp_sync.one_backward), checked on torch 2.13.0 -----------
 
 
-def reduce_clipped_gradients(modules: list[nn.Module], grads: dict) -> None:
-    """Hands full clipped gradients to FSDP2's own reduce-scatter, as a normal backward would.
+def param_group_index(modules: list[nn.Module]) -> tuple[list, dict[int, tuple[int, object]]]:
+    """FSDP2's parameter groups (backward order last) and ``{id(param): (group index, FSDPParam)}``.
 
-    Sets each parameter's unsharded gradient, runs every group's ``post_backward()`` (reduce
-    dtype, averaging, padding and resharding exactly as in a backward), then each root's final
-    callback, so every group ends sharded and idle with its sharded ``.grad`` set.
-
-    Args:
-        modules: The outermost FSDP2 modules.
-        grads: ``{id(param): (param, full gradient)}``, ``param`` as registered on its module now
-            (sharded or unsharded).
-
-    Raises:
-        FSDPInternalsError: for a parameter FSDP2 does not manage, or missing internals.
+    Both the sharded and the unsharded parameter of each ``FSDPParam`` are indexed, so a
+    parameter is found whichever of them its module has registered now.
     """
     groups = list(iter_param_groups(modules))
-    index = {}
-    for group in groups:
+    index: dict[int, tuple[int, object]] = {}
+    for i, group in enumerate(groups):
         for fp in fsdp_params(group):
-            index[id(fp.sharded_param)] = fp
+            index[id(fp.sharded_param)] = (i, fp)
             up = unsharded_param(fp)
             if up is not None:
-                index[id(up)] = fp
-    for pid, (param, grad) in grads.items():
-        fp = index.get(pid)
-        if fp is None:
-            raise FSDPInternalsError(
-                f"a parameter of shape {tuple(param.shape)} that received a clipped gradient is "
-                "not managed by FSDP2; shard every trainable parameter or pass "
-                "one_backward=False to PrivacyEngine."
-            )
-        up = unsharded_param(fp)
-        if up is None or tuple(up.shape) != tuple(grad.shape):
-            raise _fail("FSDPParam._unsharded_param of the gradient's shape")
-        grad = grad.to(up.dtype)
-        up.grad = grad if up.grad is None else up.grad + grad  # user's unsynced micro-batches
-    for group in reversed(groups):
-        if not hasattr(group, "post_backward"):
-            raise _fail("FSDPParamGroup.post_backward")
-        group.post_backward()
+                index[id(up)] = (i, fp)
+    return groups, index
+
+
+def set_unsharded_grad(fp, grad: torch.Tensor) -> None:
+    """Adds ``grad`` (a full gradient) to the unsharded gradient of ``fp``, as autograd would.
+
+    Raises:
+        FSDPInternalsError: if the unsharded parameter is missing or of another shape.
+    """
+    up = unsharded_param(fp)
+    if up is None or tuple(up.shape) != tuple(grad.shape):
+        raise _fail("FSDPParam._unsharded_param of the gradient's shape")
+    grad = grad.to(up.dtype)
+    up.grad = grad if up.grad is None else up.grad + grad  # user's unsynced micro-batches
+
+
+def group_post_backward(group) -> None:
+    """FSDP2's own post-backward of one group: reduce-scatter (or accumulate) and reshard.
+
+    Raises:
+        FSDPInternalsError: if the group has no ``post_backward``.
+    """
+    if not hasattr(group, "post_backward"):
+        raise _fail("FSDPParamGroup.post_backward")
+    group.post_backward()
+
+
+def finish_backward(modules: list[nn.Module]) -> None:
+    """Each root's final backward callback: FSDP2 waits for its reductions and goes idle.
+
+    Raises:
+        FSDPInternalsError: if a root lacks the callback.
+    """
     for module in modules:
         state = module._get_fsdp_state()
         if getattr(state, "_is_root", False):
             if not hasattr(state, "_root_post_backward_final_callback"):
                 raise _fail("FSDPState._root_post_backward_final_callback")
             state._root_post_backward_final_callback()
+
+
+def unmanaged_param_error(param: torch.Tensor) -> FSDPInternalsError:
+    """The error for a parameter that received a clipped gradient but is not FSDP2's."""
+    return FSDPInternalsError(
+        f"a parameter of shape {tuple(param.shape)} that received a clipped gradient is "
+        "not managed by FSDP2; shard every trainable parameter or pass "
+        "one_backward=False to PrivacyEngine."
+    )
 
 
 def swap_local(dt: torch.Tensor, local: torch.Tensor) -> None:

@@ -93,13 +93,15 @@ def hand_to_single_device(grads: dict) -> None:
 def make_handoff(api: str | None, modules: list[nn.Module]):
     """The function that delivers clipped gradients for an API.
 
-    One device: ``p.grad``. FSDP2: each group's unsharded gradients, then FSDP2's own
-    post-backward. FSDP1 (``use_orig_params=True``): each handle's unsharded flat gradient, then
-    FSDP1's own post-backward hooks and final callback. DDP: one bucketed all-reduce averaging
-    over ranks as DDP's reducer would (:class:`~.ddp.DDPHandoff`).
+    One device: ``p.grad``. FSDP2: group by group, each group's unsharded gradients, then
+    FSDP2's own post-backward (:class:`~.fsdp2.FSDP2Handoff`, which computes the gradients
+    itself through its ``deliver``). FSDP1 (``use_orig_params=True``): each handle's unsharded
+    flat gradient, then FSDP1's own post-backward hooks and final callback. DDP: one bucketed
+    all-reduce averaging over ranks as DDP's reducer would (:class:`~.ddp.DDPHandoff`).
 
     Returns:
-        A callable taking :func:`clipped_gradients`'s result, or None for an unknown API.
+        A callable taking :func:`clipped_gradients`'s result, or an object with ``deliver``
+        (FSDP2), or None for an unknown API.
 
     Raises:
         OneBackwardUnavailable: with the reason, for a DDP setting the hand-off does not emulate.
@@ -107,9 +109,9 @@ def make_handoff(api: str | None, modules: list[nn.Module]):
     if api is None:
         return hand_to_single_device
     if api == "fsdp2":
-        from ..distributed import _fsdp2_internals as internals
+        from .fsdp2 import FSDP2Handoff
 
-        return lambda grads: internals.reduce_clipped_gradients(modules, by_parameter(grads))
+        return FSDP2Handoff(modules)
     if api == "fsdp1":
         from ..distributed import _fsdp1_internals as fsdp1
 
