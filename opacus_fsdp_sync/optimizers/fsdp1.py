@@ -36,16 +36,20 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
 
-    def _owned(self):
-        """The parameters with a local shard (FSDP1 leaves the others with zero elements)."""
-        return [p for p in self.params if p.numel() > 0]
+    def _owned(self) -> tuple[list, list[dict]]:
+        """The held parameters and their ``grad_state`` entries.
+
+        FSDP1 leaves the parameters this rank holds no part of with zero elements.
+        """
+        params, states = self._param_states()
+        held = [i for i, p in enumerate(params) if p.numel() > 0]
+        return [params[i] for i in held], [states[i] for i in held]
 
     @torch.no_grad()
     def accumulate(self) -> None:
         """Sums each held shard's gradient into ``summed_grad`` (a copy only when accumulating)."""
         keep = bool(self._check_skip_next_step(pop_next=False))
-        for p in self._owned():
-            state = self.grad_state[p]
+        for p, state in zip(*self._owned()):
             grad = None if p.grad is None else p.grad.detach()
             state["summed_grad"] = add_to_sum(state["summed_grad"], grad, p, keep)
 
@@ -60,19 +64,20 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         """``p.grad = factor * summed + noise`` on every held shard (one draw per coordinate)."""
         if self.secure_mode:
             return self._add_secure_noise()
-        owned = self._owned()
-        summed = [self.grad_state[p]["summed_grad"] for p in owned]
+        owned, states = self._owned()
+        summed = [state["summed_grad"] for state in states]
+        for state in states:
+            state["summed_grad"] = None  # not kept alive through the inner step
         self._held_layout = noise_layout(summed)
         for p, noised in zip(owned, self._noised(summed)):
             p.grad = noised.view_as(p)
-            self.grad_state[p]["summed_grad"] = None  # not kept alive through the inner step
 
     def _add_secure_noise(self) -> None:
         """Opacus's secure draw and division per held shard (``scale_grad`` then does nothing)."""
         from opacus.optimizers.optimizer import _generate_noise
 
-        for p in self._owned():
-            summed = self.grad_state[p]["summed_grad"]
+        for p, state in zip(*self._owned()):
+            summed = state["summed_grad"]
             multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
             noise = _generate_noise(
                 std=multiplier * self.max_grad_norm,

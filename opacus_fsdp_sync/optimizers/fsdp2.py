@@ -80,19 +80,6 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(generator, device, shard_coordinate(self.params))
 
-    def _param_states(self) -> tuple[list, list[dict]]:
-        """The trainable parameters and their ``grad_state`` entries (cached per parameter set).
-
-        Saves a Python-level ``Tensor.__hash__`` per parameter and lookup, several per step.
-        """
-        params = self.params
-        key = (id(self.grad_state), *map(id, params))
-        if getattr(self, "_states_key", None) != key:
-            self._states_key = key
-            self._states = [self.grad_state[p] for p in params]
-            self._layout = noise_layout([self._local(p) for p in params])
-        return params, self._states
-
     @torch.no_grad()
     def accumulate(self) -> None:
         """Like Opacus, without a copy when this step is not accumulated over several calls.
@@ -105,19 +92,14 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
             # None between passes): it counts as zeros and still gets its noise.
             state["summed_grad"] = add_to_sum(state["summed_grad"], p.grad, p, keep)
 
-    @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Opacus's ``zero_grad`` (drops the summed gradients unless the step was skipped)."""
-        if not self._is_last_step_skipped:
-            for state in self._param_states()[1]:
-                state["summed_grad"] = None
-        self.original_optimizer.zero_grad(set_to_none)
-
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
     def _noise_layout(self) -> tuple[tuple, ...]:
-        self._param_states()
+        key = self._param_states_key()
+        if getattr(self, "_layout_key", None) != key:
+            self._layout_key = key
+            self._layout = noise_layout([self._local(p) for p in self.params])
         return self._layout
 
     @torch.no_grad()

@@ -122,6 +122,30 @@ class FlatNoiseStep(ScaledWithNoise):
         """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
         raise NotImplementedError
 
+    def _param_states_key(self, params: list | None = None) -> tuple:
+        """Identifies the current trainable parameters (and Opacus's ``grad_state``)."""
+        return (id(self.grad_state), *map(id, self.params if params is None else params))
+
+    def _param_states(self) -> tuple[list, list[dict]]:
+        """The trainable parameters and their ``grad_state`` entries (cached per parameter set).
+
+        Saves a Python-level ``Tensor.__hash__`` per parameter and lookup, several per step.
+        """
+        params = self.params
+        key = self._param_states_key(params)
+        if getattr(self, "_states_key", None) != key:
+            self._states_key = key
+            self._states = [self.grad_state[p] for p in params]
+        return params, self._states
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus's ``zero_grad`` (drops the summed gradients unless the step was skipped)."""
+        if not self._is_last_step_skipped:
+            for state in self._param_states()[1]:
+                state["summed_grad"] = None
+        self.original_optimizer.zero_grad(set_to_none)
+
     def prefetch_noise(self) -> None:
         """Starts drawing the next step's noise now, to overlap the backward.
 
