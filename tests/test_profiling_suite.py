@@ -101,3 +101,26 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     assert {"first_backward", "weight_grads", "reduce_scatter"} <= set(
         results["ghost_fsdp_one_backward"]["phases_ms"]
     )
+
+
+@pytest.mark.distributed
+def test_optimizer_breakdown_times_every_part():
+    """The DP optimizer breakdown runs on 2 CPU ranks and reports each part of the step."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [
+        "python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(SUITE / "optimizer_breakdown.py"), "--model", "tiny", "--seq-length", "16",
+        "--steps", "2", "--warmup", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    lines = {
+        line.rsplit(maxsplit=1)[0].strip(): float(line.rsplit(maxsplit=1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ")
+    }
+    parts = ["accumulate", "noise pass", "add_noise", "inner step", "step (total)"]
+    assert set(parts) <= set(lines), lines
+    assert all(lines[p] > 0 for p in parts), lines
+    assert lines["noise pass"] <= lines["add_noise"] <= lines["step (total)"], lines
