@@ -98,3 +98,11 @@ def test_step_releases_the_reduce_scatter_output():
     for res in run_ranks(workers_noise.reduce_scatter_output_is_released, 2, timeout=300):
         assert res["bases"] > 0, res  # FSDP2's gradients were views of its output
         assert res["alive_after_step"] == 0, res
+
+
+def test_prefetch_layout_refreshes_after_a_dtype_change():
+    """A stale cached layout costs one redraw, not a redraw on every later step."""
+    (per_step,) = run_ranks(workers_noise.stale_layout_recovers, 1, timeout=120)
+    assert per_step[0] == ["torch.float32"], per_step
+    assert per_step[1] == ["torch.float32", "torch.float64"], per_step  # stale prefetch redrawn
+    assert per_step[2:] == [["torch.float64"], ["torch.float64"]], per_step

@@ -122,3 +122,13 @@ def test_fsdp2_handoff_reduces_one_group_at_a_time():
         assert n == 4, res  # three blocks and the root
         assert [i for i, _ in with_grads] == list(range(n - 1, -1, -1)), res  # each group once
         assert all(live == [i] for i, live in with_grads), res
+
+
+@pytest.mark.distributed
+def test_fsdp2_failed_handoff_leaves_no_gradient_for_the_next_step():
+    """A hand-off that raises midway (caught by the user) leaks nothing into later steps."""
+    for res in run_ranks(w1.failed_handoff_leaves_nothing, 2, 6, timeout=300):
+        assert res["error"] == "injected hand-off failure", res
+        assert res["calls"] >= 6, res  # four first-pass calls, then the hand-off's second group
+        assert res["unreduced_left"] == 0, res
+        assert res["diff"] == 0.0, res

@@ -330,3 +330,44 @@ def reduce_scatter_output_is_released(rank: int, world: int) -> dict:
         out["alive_after_step"] += sum(r() is not None for r in refs)
         opt.zero_grad(set_to_none=False)
     return out
+
+
+def stale_layout_recovers(rank: int, world: int) -> list[list[str]]:
+    """Dtypes drawn per step when the parameters change dtype in place after the first step.
+
+    The prefetched draw of the step after the change has the old layout and is redrawn; from
+    then on one draw per step again (the cached layout was refreshed).
+    """
+    from opacus_fsdp_sync.optimizers import noised_step
+    from opacus_fsdp_sync.optimizers.fsdp2 import ShardedNoiseFSDPOptimizer
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    opt = ShardedNoiseFSDPOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4,
+    )
+    orig, drawn = noised_step.draw_flat_noise, []
+
+    def logging_draw(layout, std, generator):
+        drawn.append(str(layout[0][1]))
+        return orig(layout, std, generator)
+
+    noised_step.draw_flat_noise = logging_draw
+    per_step = []
+    try:
+        for step in range(4):
+            if step == 1:
+                layer.double()
+            start = len(drawn)
+            opt.prefetch_noise()  # what the engine does at the start of each backward
+            for p in layer.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            opt.zero_grad()
+            per_step.append(drawn[start:])
+    finally:
+        noised_step.draw_flat_noise = orig
+    return per_step

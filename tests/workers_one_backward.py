@@ -153,3 +153,57 @@ def handoff_group_by_group(rank: int, world: int) -> dict:
         FSDPParamGroup.post_backward = orig
     opt.step()
     return {"calls": calls, "n_groups": len(groups)}
+
+
+def failed_handoff_leaves_nothing(rank: int, world: int, fail_at_call: int) -> dict:
+    """A step whose hand-off raises at the ``fail_at_call``-th group post-backward, caught.
+
+    Returns the unreduced gradients left on FSDP2 after the failure and the parameters after
+    two more steps, against a run that skipped the failed batch without trying it.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from opacus_fsdp_sync.distributed import _fsdp2_internals as internals
+
+    torch.manual_seed(0)
+    base = ToyNet()
+    x, y = _data(world, 3)
+    b = B_LOCAL * world
+    lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+    out = {}
+    for failing in (False, True):
+        model = _shard(copy.deepcopy(base), world, "fp32")
+        gsm, opt, crit, _ = make_private(
+            PrivacyEngine(), model, (x, y), b, 0.5, "ghost_fsdp", lr=LR
+        )
+        if failing:
+            orig, calls = FSDPParamGroup.post_backward, []
+
+            def failing_post_backward(self, *args, _calls=calls, _orig=orig):
+                _calls.append(1)
+                if len(_calls) == fail_at_call:
+                    raise RuntimeError("injected hand-off failure")
+                return _orig(self, *args)
+
+            FSDPParamGroup.post_backward = failing_post_backward
+            try:
+                crit(gsm(x[2 * b : 3 * b][lo:hi]), y[2 * b : 3 * b][lo:hi]).backward()
+            except RuntimeError as err:
+                out["error"] = str(err)
+            finally:
+                FSDPParamGroup.post_backward = orig
+            out["calls"] = len(calls)
+            groups = list(internals.iter_param_groups([model]))
+            out["unreduced_left"] = sum(
+                internals.holds_unsharded_grad(fp)
+                for g in groups
+                for fp in internals.fsdp_params(g)
+            )
+            opt.zero_grad()
+        for s in range(2):
+            crit(gsm(x[s * b : (s + 1) * b][lo:hi]), y[s * b : (s + 1) * b][lo:hi]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[failing] = _full_params(model)
+    out["diff"] = _max_diff(out.pop(True), out.pop(False))
+    return out

@@ -106,7 +106,13 @@ class FSDP2Controller:
 
         Uses the public ``FSDPModule.reset_iter_state()`` (torch >= 2.12) on the root; without it
         the next backward silently skips some reduce-scatters, so older torch gets a loud error.
+        Every unreduced (unsharded) gradient is dropped too, as the engine drops the sharded
+        ones: otherwise a hand-off that failed after setting some gradients would leave them to
+        be added into the next step.
         """
+        for group in internals.iter_param_groups(self.modules):
+            for fp in internals.fsdp_params(group):
+                internals.take_unsharded_grads(fp)
         reset_any = False
         for module in self.modules:
             reset = getattr(module, "reset_iter_state", None)

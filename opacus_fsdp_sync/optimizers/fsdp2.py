@@ -97,7 +97,7 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
 
     def _noise_layout(self) -> tuple[tuple, ...]:
         key = self._param_states_key()
-        if getattr(self, "_layout_key", None) != key:
+        if self._layout_key != key:
             self._layout_key = key
             self._layout = noise_layout([self._local(p) for p in self.params])
         return self._layout

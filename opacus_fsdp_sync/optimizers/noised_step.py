@@ -118,6 +118,9 @@ class FlatNoiseStep(ScaledWithNoise):
     seed gives the same noise either way.
     """
 
+    #: Cache key of a subclass's :meth:`_noise_layout`; reset when a prefetched layout is stale.
+    _layout_key = None
+
     def _noise_layout(self) -> tuple[tuple, ...] | None:
         """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
         raise NotImplementedError
@@ -183,6 +186,8 @@ class FlatNoiseStep(ScaledWithNoise):
             return grads
         layout = noise_layout(grads)
         if drawn is None or prefetched.layout != layout:
+            if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
+                self._layout_key = None
             drawn = draw_flat_noise(layout, std, self.generator)
         add_scaled_into(drawn, grads, factor)
         return drawn
