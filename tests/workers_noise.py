@@ -26,6 +26,14 @@ class Wide(nn.Module):
         return self.head(self.block(x))
 
 
+def _wide_data(world: int, steps: int):
+    """A seeded ``Wide`` model and ``steps`` global batches of data (labels below 64)."""
+    torch.manual_seed(0)
+    base = Wide()
+    x, y = _data(world, steps)
+    return base, x, y % 64
+
+
 def _sharded(base, backend="fsdp2", strategy="full"):
     """A sharded copy of ``base`` (one unit per large layer, CPU)."""
     cfg = ShardingConfig(
@@ -81,10 +89,8 @@ def _full(model, backend) -> dict[str, torch.Tensor]:
 
 def noise_draws(rank: int, world: int, strategy: str, backend: str = "fsdp2") -> dict:
     """The noise of one step, in units of its standard deviation (sigma C / (W b))."""
-    torch.manual_seed(0)  # every rank seeded identically: the dangerous case
-    base = Wide()
-    x, y = _data(world, 1)
-    y = y % 64
+    # every rank seeded identically: the dangerous case
+    base, x, y = _wide_data(world, 1)
     b = B_LOCAL * world
     noisy, name = _step(base, x, y, rank, world, strategy, 1.0, backend)
     noisy_full, noisy_local = _full(noisy, backend), _local(noisy)
@@ -101,10 +107,7 @@ def sum_reduction(rank: int, world: int, backend: str) -> dict:
     from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
     from tests.models import toy_sample_loss
 
-    torch.manual_seed(0)
-    base = Wide()
-    x, y = _data(world, 1)
-    y = y % 64
+    base, x, y = _wide_data(world, 1)
     b = B_LOCAL * world
 
     def loss_fn(m, a, t):
@@ -141,10 +144,7 @@ def sum_reduction(rank: int, world: int, backend: str) -> dict:
 
 def fsdp1_local_noise(rank: int, world: int) -> torch.Tensor:
     """This rank's own FSDP1 shard of one step's noise, every rank seeded identically."""
-    torch.manual_seed(0)
-    base = Wide()
-    x, y = _data(world, 1)
-    y = y % 64
+    base, x, y = _wide_data(world, 1)
     noisy = _local(_step(base, x, y, rank, world, "full", 1.0, "fsdp1")[0])
     clean = _local(_step(base, x, y, rank, world, "full", 0.0, "fsdp1")[0])
     return torch.cat([(clean[n] - noisy[n]).flatten() for n in clean])
@@ -157,10 +157,7 @@ def prefetch_vs_draw_at_step(rank: int, world: int, backend: str = "fsdp2") -> d
     a virtual step (two micro-batches, so the drawn standard deviation is rescaled at the step).
     ``drawn_ahead`` counts the steps whose noise was drawn during the backward.
     """
-    torch.manual_seed(0)
-    base = Wide()
-    x, y = _data(world, 3)
-    y = y % 64
+    base, x, y = _wide_data(world, 3)
     b = B_LOCAL * world
     out = {}
     for case, micro in (("plain", 1), ("virtual", 2)):
@@ -262,10 +259,7 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int, backend: str
     shard before the step), step after step: a gradient that aliased a buffer another step
     reuses, or noise added to the wrong shard, would break it.
     """
-    torch.manual_seed(0)
-    base = Wide()
-    x, y = _data(world, 2)
-    y = y % 64
+    base, x, y = _wide_data(world, 2)
     b = B_LOCAL * world
     out = {}
     for set_to_none in (False, True):
@@ -308,11 +302,9 @@ def reduce_scatter_output_is_released(rank: int, world: int) -> dict:
     import gc
     import weakref
 
-    torch.manual_seed(0)
-    x, y = _data(world, 2)
-    y = y % 64
+    base, x, y = _wide_data(world, 2)
     b = B_LOCAL * world
-    model, gsm, opt, crit = _private(Wide(), x, y, world, lr=0.1)
+    model, gsm, opt, crit = _private(base, x, y, world, lr=0.1)
     lo = rank * B_LOCAL
     out = {"bases": 0, "alive_after_step": 0}
     for s in range(2):

@@ -15,7 +15,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 )
 
 from .fsdp2 import shard_generator
-from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
+from .noised_step import FlatNoiseStep, add_to_sum
 
 
 class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
@@ -31,7 +31,6 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
 
     def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
         super().__init__(optimizer, generator=generator, secure_mode=secure_mode, **kwargs)
-        self._held_layout: tuple[tuple, ...] | None = None
         if not secure_mode:
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
@@ -57,7 +56,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         # Between forward and backward FSDP1 may hold the parameters unsharded: the held shards'
         # layout comes from the last step (None before the first, which draws at step time).
         # Secure noise is never drawn ahead.
-        return None if self.secure_mode else self._held_layout
+        return None if self.secure_mode else self._drawn_layout
 
     @torch.no_grad()
     def add_noise(self) -> None:
@@ -68,7 +67,6 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         summed = [state["summed_grad"] for state in states]
         for state in states:
             state["summed_grad"] = None  # not kept alive through the inner step
-        self._held_layout = noise_layout(summed)
         for p, noised in zip(owned, self._noised(summed)):
             p.grad = noised.view_as(p)
 

@@ -120,6 +120,8 @@ class FlatNoiseStep(ScaledWithNoise):
 
     #: Cache key of a subclass's :meth:`_noise_layout`; reset when a prefetched layout is stale.
     _layout_key = None
+    #: The layout of the last step's noised gradients (None before the first noised step).
+    _drawn_layout = None
 
     def _noise_layout(self) -> tuple[tuple, ...] | None:
         """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
@@ -184,7 +186,7 @@ class FlatNoiseStep(ScaledWithNoise):
             if factor != 1.0 and grads:
                 torch._foreach_mul_(grads, factor)
             return grads
-        layout = noise_layout(grads)
+        layout = self._drawn_layout = noise_layout(grads)
         if drawn is None or prefetched.layout != layout:
             if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
                 self._layout_key = None
