@@ -9,7 +9,9 @@ T = 1024). Here:
 - the input Gram ``A_n A_n^T`` is computed once per backward for all layers that read the same
   tensor (``q``/``k``/``v`` and ``gate``/``up`` in a Llama block): the forward hook counts the
   readers, the backward releases the Gram after the last one;
-- the contraction is an elementwise product and a sum accumulated in fp32.
+- the contraction is an elementwise product and a sum accumulated in fp32;
+- with ``gram_block`` (see :mod:`.block_gram`), only the upper block triangle of each symmetric
+  Gram is computed, up to about half the Gram FLOPs saved.
 
 The result equals upstream's to floating-point rounding (not bit for bit: the summation order
 differs); ``fast_norms=False`` in :class:`~opacus_fsdp_sync.options.GhostOptions` keeps upstream's.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .block_gram import contract_block, row_blocks, sum_block, upper_gram
+
 
 def _key(t: torch.Tensor) -> tuple:
     """Identifies a tensor's memory (the readers keep it alive, so no other tensor can reuse it)."""
@@ -27,11 +31,16 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 class GramCache:
-    """Input Gram matrices of the current backward, each dropped after its last reader."""
+    """Input Gram matrices of the current backward, each dropped after its last reader.
 
-    def __init__(self) -> None:
+    Args:
+        block: Tokens per row block of the Grams (:func:`.block_gram.upper_gram`); 0: full.
+    """
+
+    def __init__(self, block: int = 0) -> None:
+        self.block = block
         self._readers: dict[tuple, int] = {}
-        self._grams: dict[tuple, torch.Tensor] = {}
+        self._grams: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
 
     def note_input(self, activation: torch.Tensor) -> None:
         """Forward hook side: one more ``Linear`` reads ``activation``."""
@@ -39,21 +48,28 @@ class GramCache:
             k = _key(activation)
             self._readers[k] = self._readers.get(k, 0) + 1
 
-    def gram(self, activation: torch.Tensor) -> torch.Tensor:
-        """``A A^T`` per sample ``(N, T, T)``, computed once while more readers are to come."""
+    def block_for(self, *tensors: torch.Tensor) -> int:
+        """The row block for Grams of ``tensors``: 0 (full) if any is not a plain tensor."""
+        return self.block if all(type(t) is torch.Tensor for t in tensors) else 0
+
+    def gram(self, activation: torch.Tensor, block: int) -> list[torch.Tensor]:
+        """Row blocks of ``A A^T`` per sample (:func:`.block_gram.upper_gram`).
+
+        Computed once while more readers (asking for the same ``block``) are to come.
+        """
         if type(activation) is not torch.Tensor:  # a DTensor: not cached
-            return torch.bmm(activation, activation.transpose(1, 2))
+            return upper_gram(activation, block)
         k = _key(activation)
         left = self._readers.get(k, 0)
         g = self._grams.pop(k, None)
-        if g is None:
-            g = torch.bmm(activation, activation.transpose(1, 2))
+        if g is None or g[0] != block:
+            g = (block, upper_gram(activation, block))
         if left > 1:
             self._readers[k] = left - 1
             self._grams[k] = g
         else:
             self._readers.pop(k, None)
-        return g
+        return g[1]
 
     def skip(self, activation: torch.Tensor) -> None:
         """A reader that will not ask for the Gram (it took per-sample gradients instead)."""
@@ -71,14 +87,6 @@ class GramCache:
         """Forgets every count and Gram (end of a backward, or a failed step)."""
         self._readers.clear()
         self._grams.clear()
-
-
-def _contract(aat: torch.Tensor, ggt: torch.Tensor) -> torch.Tensor:
-    """``<aat_n, ggt_n>`` per sample: products formed and summed in fp32."""
-    a, g = aat.flatten(1), ggt.flatten(1)
-    if a.dtype == g.dtype == torch.float32:
-        return (a * g).sum(1)
-    return (a.float() * g).sum(1)  # fp32 promotion: each product formed in fp32
 
 
 def make_linear_norm_sampler(cache: GramCache, policy=None):
@@ -113,12 +121,25 @@ def make_linear_norm_sampler(cache: GramCache, policy=None):
                     out[layer.bias] = g2.float().pow(2).sum((1, 2)).sqrt()
                 return out
             a, backprops = a2, g2
-        ggt = torch.bmm(backprops, backprops.transpose(1, 2))
-        if layer.weight.requires_grad:
-            aat = cache.gram(a) if a.shape == activations[0].shape else a @ a.transpose(1, 2)
-            out[layer.weight] = _contract(aat, ggt).clamp(min=0).sqrt()
-        if layer.bias is not None and layer.bias.requires_grad:
-            out[layer.bias] = ggt.flatten(1).float().sum(1).clamp(min=0).sqrt()
+        weight = layer.weight.requires_grad
+        bias = layer.bias is not None and layer.bias.requires_grad
+        block = cache.block_for(a, backprops)
+        aat = None
+        if weight:
+            shared = a.shape == activations[0].shape
+            aat = cache.gram(a, block) if shared else upper_gram(a, block)
+        w_sq = b_sq = 0.0
+        gt = backprops.transpose(1, 2)
+        for i, (s, w) in enumerate(row_blocks(a.shape[1], block)):
+            ggt = torch.bmm(backprops[:, s : s + w], gt[:, :, s:])  # dropped after its use
+            if weight:
+                w_sq = w_sq + contract_block(aat[i], ggt, w)
+            if bias:
+                b_sq = b_sq + sum_block(ggt, w)
+        if weight:
+            out[layer.weight] = w_sq.clamp(min=0).sqrt()
+        if bias:
+            out[layer.bias] = b_sq.clamp(min=0).sqrt()
         return out
 
     return linear_norm_sample

@@ -14,6 +14,7 @@ import opacus
 import torch
 
 from .backward import GhostStepContext, SyncDPLoss
+from .block_gram import resolve_block
 from .distributed import _fsdp1_internals as fsdp1_internals
 from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import UnsupportedConfigurationError, make_controller
@@ -59,7 +60,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         secure_mode: As in Opacus.
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
-            ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``,
+            ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
             ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``timing``).
     """
 
@@ -108,6 +109,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         keep_unsharded_budget_bytes: int | None = None,
         one_backward: bool | None = None,
         fast_norms: bool | None = None,
+        gram_block: int | str | None = None,
         per_sample_grads: bool | str | None = None,
         per_sample_grads_budget_bytes: int | None = None,
         **kwargs,
@@ -122,6 +124,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded_budget_bytes: Likewise.
             one_backward: Likewise.
             fast_norms: Likewise.
+            gram_block: Likewise.
             per_sample_grads: Likewise.
             per_sample_grads_budget_bytes: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
@@ -141,6 +144,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
             one_backward=one_backward,
             fast_norms=fast_norms,
+            gram_block=gram_block,
             per_sample_grads=per_sample_grads,
             per_sample_grads_budget_bytes=per_sample_grads_budget_bytes,
         )
@@ -305,13 +309,20 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
         if opts.fast_norms and hasattr(module, "use_fast_norms"):
-            policy = self._per_sample_policy(opts, device) if handoff is not None else None
-            module.use_fast_norms(policy)
-            logger.info("[Ghost] Linear norms: shared input Gram matrices (fast_norms=True)")
+            block = resolve_block(opts.gram_block, device)
+            policy = self._per_sample_policy(opts, device, block) if handoff is not None else None
+            module.use_fast_norms(policy, gram_block=block)
+            logger.info(
+                "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
+                f"upper block triangle in row blocks of {block} tokens (gram_block="
+                f"{opts.gram_block})"
+                if block
+                else "full Gram matrices (gram_block=0)",
+            )
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     @staticmethod
-    def _per_sample_policy(opts: GhostOptions, device: torch.device):
+    def _per_sample_policy(opts: GhostOptions, device: torch.device, gram_block: int = 0):
         """The per-sample gradient policy of the one-backward step, or None; logs it."""
         from .one_backward.per_sample import PerSampleGradPolicy, machine_balance
         from .options import default_budget
@@ -330,6 +341,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             budget,
             only_when_cheaper=opts.per_sample_grads == "auto",
             flops_per_byte=machine_balance(device),
+            gram_block=gram_block,
         )
 
     def _one_backward_handoff(self, module, root, opts):

@@ -62,10 +62,17 @@ def _diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("one_backward,per_sample", [(True, True), (True, False), (False, False)])
-def test_fast_norms_equal_upstream_and_loop(setup, one_backward, per_sample):
+@pytest.mark.parametrize(
+    "one_backward,per_sample,gram_block",
+    [(True, True, "auto"), (True, False, "auto"), (False, False, "auto"), (True, False, 4)]
+    + [(False, False, 4), (True, False, 3)],
+)
+def test_fast_norms_equal_upstream_and_loop(setup, one_backward, per_sample, gram_block):
+    """Gram blocks of 4 (or 3) tokens: T = 10 splits into 4 + 4 + 2 (3 + 3 + 3 + 1) rows."""
     base, x, y, C = setup
-    engine = PrivacyEngine(one_backward=one_backward, per_sample_grads=per_sample)
+    engine = PrivacyEngine(
+        one_backward=one_backward, per_sample_grads=per_sample, gram_block=gram_block
+    )
     ours, gsm = _train(engine, base, x, y, C)
     assert gsm.gram_cache is not None
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
@@ -95,14 +102,15 @@ def test_gram_cache_releases_after_last_reader():
     a = torch.randn(2, 5, 3)
     cache.note_input(a)
     cache.note_input(a)
-    first = cache.gram(a)
+    first = cache.gram(a, 0)
     assert cache._grams  # kept for the second reader
-    assert cache.gram(a) is first
+    assert cache.gram(a, 0) is first
     assert not cache._grams and not cache._readers
-    torch.testing.assert_close(first, a @ a.transpose(1, 2))
+    (full,) = first
+    torch.testing.assert_close(full, a @ a.transpose(1, 2))
     cache.note_input(a)
     cache.note_input(a)
-    cache.gram(a)
+    cache.gram(a, 0)
     cache.clear()
     assert not cache._grams and not cache._readers
 
@@ -110,12 +118,18 @@ def test_gram_cache_releases_after_last_reader():
 def test_fast_norms_option_is_validated():
     with pytest.raises(ValueError, match="fast_norms"):
         PrivacyEngine(fast_norms="yes")
+    for bad in (-1, "big", True, 2.5):
+        with pytest.raises(ValueError, match="gram_block"):
+            PrivacyEngine(gram_block=bad)
 
 
-@pytest.mark.parametrize("per_sample", [False, True])
-def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup, per_sample):
+@pytest.mark.parametrize("per_sample,gram_block", [(False, 0), (False, 4), (True, 0)])
+def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
+    setup, per_sample, gram_block
+):
     """Counted: the one-backward step runs the non-private step's matmuls plus, with ghost norms,
-    the Gram matrices (6 output Grams + 3 shared input Grams), or, with per-sample gradients, one
+    the Gram matrices (6 output Grams + 3 shared input Grams; with row blocks of 4 tokens, their
+    upper block triangles: 68 of 100 entries at T = 10), or, with per-sample gradients, one
     weighted sum per parameter (``2 N d_in d_out``): nothing else."""
     from torch import nn
 
@@ -127,11 +141,12 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup, 
     with PhaseFlopCounter() as nodp:
         logits = plain(xs)
         nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1)).backward()
-    engine = PrivacyEngine(per_sample_grads=per_sample)
+    engine = PrivacyEngine(per_sample_grads=per_sample, gram_block=gram_block)
     model = copy.deepcopy(base)
     gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
     assert engine.one_backward
-    with PhaseFlopCounter() as ours:
+    bmm = _CountBmm()
+    with PhaseFlopCounter() as ours, bmm:
         logits = gsm(xs)
         crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T)).backward()
         opt.step()
@@ -142,7 +157,9 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(setup, 
     else:
         outs = [m.out_features for m in layers]
         ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
-        extra = 2 * B * T * T * (sum(outs) + sum(ins))
+        entries = {0: T * T, 4: 4 * 10 + 4 * 6 + 2 * 2}[gram_block]
+        extra = 2 * B * entries * (sum(outs) + sum(ins))
+        assert bmm.bmm == (6 + 3) * (3 if gram_block else 1)  # one bmm per row block
     total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
     print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, extra {extra}")
     assert total_ours == total_nodp + extra
@@ -183,6 +200,9 @@ def test_per_sample_cost_rule_follows_the_machine_balance():
     gpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(torch.device("cuda")))
     assert cpu.cheaper(128, 256, 688, 4)  # the small preset's MLP at seq 128: per-sample
     assert not cpu.cheaper(10, 16, 12, 4)  # short sequences, tiny layers: ghost norms
+    # The upper block triangle (9/16 of the Gram FLOPs at 8 blocks) tips the same layer to ghost.
+    blocked = PerSampleGradPolicy(1, flops_per_byte=cpu.flops_per_byte, gram_block=16)
+    assert not blocked.cheaper(128, 256, 688, 4)
     assert not gpu.cheaper(1024, 2048, 8192, 2)  # Llama-3.2-1B MLP at 1024 tokens: ghost
     assert gpu.cheaper(8192, 2048, 2048, 2)  # long sequences: per-sample
     auto = PrivacyEngine()

@@ -124,3 +124,24 @@ def test_optimizer_breakdown_times_every_part():
     assert set(parts) <= set(lines), lines
     assert all(lines[p] > 0 for p in parts), lines
     assert lines["noise pass"] <= lines["add_noise"] <= lines["step (total)"], lines
+
+
+def test_gram_blocks_benchmark_reports_fewer_flops_and_equal_norms(tmp_path):
+    """The Gram-block benchmark times the engine's sampler and checks its norms per block."""
+    from opacus_fsdp_sync.block_gram import flop_fraction
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [
+        "python3", str(SUITE / "gram_blocks.py"), "--preset", "tiny", "--seq-lengths", "32", "64",
+        "--blocks", "0", "16", "--repeats", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    rows = json.loads((tmp_path / "gram_blocks.json").read_text())["rows"]
+    assert [(r["seq"], r["block"]) for r in rows] == [(32, 0), (32, 16), (64, 0), (64, 16)]
+    for r in rows:
+        assert r["ms"] > 0 and r["max_rel_diff"] <= 1e-5
+        # Every Gram (7 output, 4 shared input) shrinks by the block triangle's share.
+        assert r["flop_ratio"] == pytest.approx(flop_fraction(r["seq"], r["block"]))
+    assert "| 64 | 16 |" in (tmp_path / "gram_blocks.md").read_text()

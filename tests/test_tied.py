@@ -38,11 +38,12 @@ def test_llama_tied_and_untied_equal_clip_each_sample_loop(tie):
             assert 0 < sum(n > C for n in norms) < len(norms)  # clipping active
         assert max(res["fsdp_vs_loop"]) <= TOL  # FSDP2, 2 ranks
         assert res["fsdp_per_sample_layers"] > 0  # the per-sample gradient path ran
+        assert max(res["blocked_vs_loop"]) <= TOL  # FSDP2, ghost norms in Gram row blocks
         b = workers_tied.B_LOCAL
         for step, ref in enumerate(res["ref_norms"]):
-            assert res["fsdp_norms"][step] == pytest.approx(
-                ref[rank * b : (rank + 1) * b], rel=1e-5
-            )
+            local = ref[rank * b : (rank + 1) * b]
+            assert res["fsdp_norms"][step] == pytest.approx(local, rel=1e-5)
+            assert res["blocked_norms"][step] == pytest.approx(local, rel=1e-5)
         if rank == 0:  # one device, ghost
             assert max(res["single_vs_loop"]) <= TOL
             for step, ref in enumerate(res["ref_norms"]):

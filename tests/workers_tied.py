@@ -91,6 +91,11 @@ def tied_llama(rank: int, world: int, tie: bool = True, steps: int = 2) -> dict:
     policy = getattr(_train.last_gsm, "per_sample_policy", None)
     out["fsdp_per_sample_layers"] = policy.taken if policy is not None else 0
     out["fsdp_norms"] = fsdp_n
+    # FSDP2 with ghost norms from the upper block triangle of the Grams (T = 12: rows 5 + 5 + 2).
+    blocked = PrivacyEngine(per_sample_grads=False, gram_block=5)
+    blk_p, blk_n = _train(blocked, base, ids, rank, world, C, steps, fsdp=True)
+    out["blocked_vs_loop"] = [_diff(p, r) for p, r in zip(blk_p, ref_params)]
+    out["blocked_norms"] = blk_n
     up_p, _ = _train(opacus.PrivacyEngine(), base, ids, rank, world, C, steps, fsdp=True)
     out["upstream_vs_loop"] = [_diff(p, r) for p, r in zip(up_p, ref_params)]
     if rank == 0:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..block_gram import flop_fraction
+
 
 @dataclass
 class PerSampleGradPolicy:
@@ -34,6 +36,9 @@ class PerSampleGradPolicy:
     """Machine balance for the cost rule: the ghost norm's FLOPs are weighed against the bytes
     the per-sample gradients move (written once, read for the norm and for the weighted sum).
     About 10 for a CPU core, 400 on CUDA (:func:`machine_balance`)."""
+    gram_block: int = 0
+    """Row block of the ghost norm's symmetric Grams (:mod:`opacus_fsdp_sync.block_gram`): the
+    ghost norm's FLOPs in the cost rule are those of the upper block triangle."""
     active: bool = False
     """Set per backward by the first pass: True only when its gradients will be kept."""
     used_bytes: int = 0
@@ -49,11 +54,12 @@ class PerSampleGradPolicy:
     def cheaper(self, t: int, d_in: int, d_out: int, element_size: int) -> bool:
         """Whether per-sample gradients beat the ghost norm for one sample of this layer.
 
-        Ghost norm: ``2 T^2 (d_in + d_out)`` FLOPs. Per-sample gradients: the same matmul FLOPs
-        as the weight gradient they replace, plus ``4 d_in d_out`` FLOPs and
+        Ghost norm: ``2 T^2 (d_in + d_out)`` FLOPs, times the block triangle's share
+        (:func:`~opacus_fsdp_sync.block_gram.flop_fraction`). Per-sample gradients: the same
+        matmul FLOPs as the weight gradient they replace, plus ``4 d_in d_out`` FLOPs and
         ``3 d_in d_out`` element reads and writes, priced at ``flops_per_byte``.
         """
-        ghost = 2 * t * t * (d_in + d_out)
+        ghost = 2 * t * t * (d_in + d_out) * flop_fraction(t, self.gram_block)
         direct = 4 * d_in * d_out + self.flops_per_byte * 3 * d_in * d_out * element_size
         return ghost > direct
 

@@ -74,6 +74,16 @@ MODES: dict[str, ModeSpec] = {
         },
         description="ours: one backward, ghost norms for every layer (no per-sample gradients)",
     ),
+    "ghost_fsdp_one_backward_full_gram": ModeSpec(
+        private=True,
+        engine_kwargs={
+            "restricted_first_pass": True,
+            "one_backward": True,
+            "per_sample_grads": False,
+            "gram_block": 0,
+        },
+        description="A/B for gram_block: as ..._ghost_norms, with full Gram matrices",
+    ),
     "ghost_fsdp_one_backward": ModeSpec(
         private=True,
         engine_kwargs={"restricted_first_pass": True, "one_backward": True},
