@@ -44,14 +44,14 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.
         self.per_sample_policy = None
 
-    def use_fast_norms(self, per_sample_policy=None, gram_block: int = 0) -> None:
+    def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0) -> None:
         """Linear norms from shared input Gram matrices (see :mod:`.linear_norm`).
 
         Args:
             per_sample_policy: A :class:`~.one_backward.per_sample.PerSampleGradPolicy` (one
                 backward only): the sequence layers it takes materialise per-sample gradients.
-            gram_block: Tokens per row block of the symmetric Grams (:mod:`.block_gram`);
-                0 computes full Grams.
+            gram_block: Tokens per row block of the symmetric Grams (:mod:`.block_gram`), or
+                ``"auto"`` (by the input's device); 0 computes full Grams.
         """
         self.gram_cache = GramCache(gram_block)
         self.per_sample_policy = per_sample_policy

@@ -9,7 +9,7 @@ T = 1024). Here:
 - the input Gram ``A_n A_n^T`` is computed once per backward for all layers that read the same
   tensor (``q``/``k``/``v`` and ``gate``/``up`` in a Llama block): the forward hook counts the
   readers, the backward releases the Gram after the last one;
-- the contraction is an elementwise product and a sum accumulated in fp32;
+- the contraction is an elementwise product and a sum accumulated in fp32 (fp64 for fp64);
 - with ``gram_block`` (see :mod:`.block_gram`), only the upper block triangle of each symmetric
   Gram is computed, up to about half the Gram FLOPs saved.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .block_gram import contract_block, row_blocks, sum_block, upper_gram
+from .block_gram import contract_output_grams, resolve_block, upper_gram, widen
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -34,10 +34,12 @@ class GramCache:
     """Input Gram matrices of the current backward, each dropped after its last reader.
 
     Args:
-        block: Tokens per row block of the Grams (:func:`.block_gram.upper_gram`); 0: full.
+        block: Tokens per row block of the Grams (:func:`.block_gram.upper_gram`): a number
+            (0: full Grams) or ``"auto"`` (by the input's device,
+            :func:`.block_gram.resolve_block`).
     """
 
-    def __init__(self, block: int = 0) -> None:
+    def __init__(self, block: int | str = 0) -> None:
         self.block = block
         self._readers: dict[tuple, int] = {}
         self._grams: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
@@ -50,7 +52,9 @@ class GramCache:
 
     def block_for(self, *tensors: torch.Tensor) -> int:
         """The row block for Grams of ``tensors``: 0 (full) if any is not a plain tensor."""
-        return self.block if all(type(t) is torch.Tensor for t in tensors) else 0
+        if not all(type(t) is torch.Tensor for t in tensors):
+            return 0
+        return resolve_block(self.block, tensors[0].device)
 
     def gram(self, activation: torch.Tensor, block: int) -> list[torch.Tensor]:
         """Row blocks of ``A A^T`` per sample (:func:`.block_gram.upper_gram`).
@@ -114,31 +118,23 @@ def make_linear_norm_sampler(cache: GramCache, policy=None):
             a2 = a.reshape(a.shape[0], -1, a.shape[-1])
             g2 = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
             if a2.shape[1] == 1:
+                g_sq = widen(g2).pow(2).sum((1, 2))
                 if layer.weight.requires_grad:
-                    ga = g2.float().pow(2).sum((1, 2)) * a2.float().pow(2).sum((1, 2))
-                    out[layer.weight] = ga.sqrt()
+                    out[layer.weight] = (g_sq * widen(a2).pow(2).sum((1, 2))).sqrt()
                 if layer.bias is not None and layer.bias.requires_grad:
-                    out[layer.bias] = g2.float().pow(2).sum((1, 2)).sqrt()
+                    out[layer.bias] = g_sq.sqrt()
                 return out
             a, backprops = a2, g2
-        weight = layer.weight.requires_grad
         bias = layer.bias is not None and layer.bias.requires_grad
         block = cache.block_for(a, backprops)
         aat = None
-        if weight:
+        if layer.weight.requires_grad:
             shared = a.shape == activations[0].shape
             aat = cache.gram(a, block) if shared else upper_gram(a, block)
-        w_sq = b_sq = 0.0
-        gt = backprops.transpose(1, 2)
-        for i, (s, w) in enumerate(row_blocks(a.shape[1], block)):
-            ggt = torch.bmm(backprops[:, s : s + w], gt[:, :, s:])  # dropped after its use
-            if weight:
-                w_sq = w_sq + contract_block(aat[i], ggt, w)
-            if bias:
-                b_sq = b_sq + sum_block(ggt, w)
-        if weight:
+        w_sq, b_sq = contract_output_grams(aat, backprops, block, bias=bias)
+        if w_sq is not None:
             out[layer.weight] = w_sq.clamp(min=0).sqrt()
-        if bias:
+        if b_sq is not None:
             out[layer.bias] = b_sq.clamp(min=0).sqrt()
         return out
 

@@ -45,7 +45,8 @@ class GhostOptions:
     gram_block: int | str = "auto"
     """With ``fast_norms``: tokens per row block of the symmetric Gram matrices, of which only the
     upper block triangle is computed (:mod:`opacus_fsdp_sync.block_gram`; about 5/8 of the Gram
-    FLOPs at four blocks). ``"auto"``: 64 on CPU, 256 on CUDA; 0: full Gram matrices."""
+    FLOPs at four blocks), by the layer input's device for ``"auto"``: 64 on CPU (measured), 512
+    on accelerators (not yet measured on a GPU); 0: full Gram matrices."""
     per_sample_grads: bool | str = "auto"
     """One backward with ``fast_norms``: sequence ``Linear`` layers materialise per-sample
     gradients in the first pass (norms and clipped gradient from them, no ghost norm; see

@@ -14,7 +14,7 @@ import opacus
 import torch
 
 from .backward import GhostStepContext, SyncDPLoss
-from .block_gram import resolve_block
+from .block_gram import describe_block
 from .distributed import _fsdp1_internals as fsdp1_internals
 from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import UnsupportedConfigurationError, make_controller
@@ -309,22 +309,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
         if opts.fast_norms and hasattr(module, "use_fast_norms"):
-            block = resolve_block(opts.gram_block, device)
-            policy = self._per_sample_policy(opts, device, block) if handoff is not None else None
-            module.use_fast_norms(policy, gram_block=block)
+            policy = self._per_sample_policy(opts, device) if handoff is not None else None
+            module.use_fast_norms(policy, gram_block=opts.gram_block)
             logger.info(
                 "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
-                f"upper block triangle in row blocks of {block} tokens (gram_block="
-                f"{opts.gram_block})"
-                if block
-                else "full Gram matrices (gram_block=0)",
+                describe_block(opts.gram_block),
             )
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     @staticmethod
-    def _per_sample_policy(opts: GhostOptions, device: torch.device, gram_block: int = 0):
+    def _per_sample_policy(opts: GhostOptions, device: torch.device):
         """The per-sample gradient policy of the one-backward step, or None; logs it."""
-        from .one_backward.per_sample import PerSampleGradPolicy, machine_balance
+        from .one_backward.per_sample import PerSampleGradPolicy
         from .options import default_budget
 
         if opts.per_sample_grads is False:
@@ -340,8 +336,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return PerSampleGradPolicy(
             budget,
             only_when_cheaper=opts.per_sample_grads == "auto",
-            flops_per_byte=machine_balance(device),
-            gram_block=gram_block,
+            gram_block=opts.gram_block,
         )
 
     def _one_backward_handoff(self, module, root, opts):

@@ -4,24 +4,19 @@ import pytest
 import torch
 
 from opacus_fsdp_sync.block_gram import (
-    contract_block,
+    contract_output_grams,
     flop_fraction,
     resolve_block,
     row_blocks,
-    sum_block,
     upper_gram,
 )
+from opacus_fsdp_sync.linear_norm import GramCache
+from opacus_fsdp_sync.testing import run_ranks
+from tests import workers_misc
 
 
 def _blocked(a, g, block):
-    aat = upper_gram(a, block)
-    total = torch.zeros(a.shape[0], dtype=torch.float64)
-    gsum = torch.zeros(a.shape[0], dtype=torch.float64)
-    for i, (s, w) in enumerate(row_blocks(a.shape[1], block)):
-        ggt = torch.bmm(g[:, s : s + w], g[:, s:].transpose(1, 2))
-        total = total + contract_block(aat[i], ggt, w)
-        gsum = gsum + sum_block(ggt, w)
-    return total, gsum
+    return contract_output_grams(upper_gram(a, block), g, block, bias=True)
 
 
 @pytest.mark.parametrize("t", [1, 7, 10, 64])
@@ -66,6 +61,36 @@ def test_row_blocks_cover_every_position_once_and_flops_shrink():
 
 def test_auto_block_by_device():
     assert resolve_block("auto", torch.device("cpu")) == 64
-    assert resolve_block("auto", torch.device("cuda", 0)) == 256
+    assert resolve_block("auto", torch.device("cuda", 0)) == 512
     assert resolve_block(0, torch.device("cpu")) == 0
     assert resolve_block(32, torch.device("cuda")) == 32
+
+
+def test_cache_recomputes_when_a_reader_asks_for_another_block():
+    """Three readers of one input asking for blocks 4, 0, 4: each gets matching row blocks."""
+    cache = GramCache(4)
+    a = torch.randn(2, 10, 3)
+    for _ in range(3):
+        cache.note_input(a)
+    for block in (4, 0, 4):
+        got = cache.gram(a, block)
+        want = upper_gram(a, block)
+        assert [t.shape for t in got] == [t.shape for t in want]
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+    assert not cache._grams and not cache._readers
+
+
+def test_frozen_weight_gives_only_the_bias_term():
+    g = torch.randn(2, 9, 4, dtype=torch.float64)
+    w_sq, b_sq = contract_output_grams(None, g, 4, bias=True)
+    assert w_sq is None
+    torch.testing.assert_close(b_sq, g.sum(1).pow(2).sum(1))
+
+
+@pytest.mark.distributed
+def test_dtensor_inputs_fall_back_to_full_grams():
+    """Replicated DTensor input and output gradient (one gloo rank): full Grams, exact norms."""
+    (res,) = run_ranks(workers_misc.dtensor_linear_norms, 1, timeout=120)
+    assert res["block_for"] == 0
+    assert res["diff"] <= 1e-5

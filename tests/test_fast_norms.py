@@ -166,13 +166,16 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
     assert "second_backward" not in ours.flops
 
 
-@pytest.mark.parametrize("budget_layers", [0, 2])
-def test_per_sample_budget_mixes_paths_and_stays_exact(setup, budget_layers):
-    """A budget for only some layers: those take per-sample gradients, the rest ghost norms."""
+@pytest.mark.parametrize("budget_layers,gram_block", [(0, "auto"), (2, "auto"), (2, 4)])
+def test_per_sample_budget_mixes_paths_and_stays_exact(setup, budget_layers, gram_block):
+    """A budget for only some layers: those take per-sample gradients, the rest ghost norms
+    (with row blocks of 4 tokens: the shared input Grams cached in blocks, some readers skip)."""
     base, x, y, C = setup
     one_layer = B * base.down.in_features * base.down.out_features * 4  # down: first in backward
     budget = one_layer * budget_layers
-    engine = PrivacyEngine(per_sample_grads=True, per_sample_grads_budget_bytes=budget)
+    engine = PrivacyEngine(
+        per_sample_grads=True, per_sample_grads_budget_bytes=budget, gram_block=gram_block
+    )
     ours, gsm = _train(engine, base, x, y, C)
     policy = gsm.per_sample_policy
     assert policy.used_bytes <= budget
@@ -203,6 +206,10 @@ def test_per_sample_cost_rule_follows_the_machine_balance():
     # The upper block triangle (9/16 of the Gram FLOPs at 8 blocks) tips the same layer to ghost.
     blocked = PerSampleGradPolicy(1, flops_per_byte=cpu.flops_per_byte, gram_block=16)
     assert not blocked.cheaper(128, 256, 688, 4)
+    # "auto" resolves by device: 64-token blocks on CPU (3/4 of the FLOPs at T = 128) tip a
+    # 450 x 450 layer to ghost norms; full Grams would take per-sample gradients.
+    assert PerSampleGradPolicy(1, gram_block=0).cheaper(128, 450, 450, 4)
+    assert not PerSampleGradPolicy(1, gram_block="auto").cheaper(128, 450, 450, 4)
     assert not gpu.cheaper(1024, 2048, 8192, 2)  # Llama-3.2-1B MLP at 1024 tokens: ghost
     assert gpu.cheaper(8192, 2048, 2048, 2)  # long sequences: per-sample
     auto = PrivacyEngine()
@@ -212,3 +219,7 @@ def test_per_sample_cost_rule_follows_the_machine_balance():
     logits = gsm(x)
     crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(B, T)).backward()
     assert gsm.per_sample_policy.taken == 0  # "auto" on CPU: this model is cheaper with ghost
+    assert gsm.per_sample_policy.gram_block == gsm.gram_cache.block == "auto"
+    blocks4 = PrivacyEngine(gram_block=4)
+    gsm4, *_ = make_private(blocks4, SharedInputSeqNet(D), (x, y), B, 1.0, "ghost")
+    assert gsm4.per_sample_policy.gram_block == gsm4.gram_cache.block == 4

@@ -60,3 +60,26 @@ def detection(rank: int, world: int) -> dict:
         dist.all_reduce(t)
     out["counter"] = counter.as_dict()
     return out
+
+
+def dtensor_linear_norms(rank: int, world: int) -> dict:
+    """Linear ghost norms of DTensor inputs with ``gram_block=4``, against plain tensors."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from opacus_fsdp_sync.linear_norm import GramCache, make_linear_norm_sampler
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    a, g = torch.randn(2, 10, 5), torch.randn(2, 10, 3)
+    da, dg = (distribute_tensor(t, mesh, [Replicate()]) for t in (a, g))
+    cache = GramCache(4)
+    ours = make_linear_norm_sampler(cache)(layer, [da], dg)
+    direct = torch.bmm(g.transpose(1, 2), a).flatten(1).norm(dim=1)
+    got = ours[layer.weight]
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    bias = ours[layer.bias]
+    bias = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
+    diff = max((got - direct).abs().max().item(), (bias - g.sum(1).norm(dim=1)).abs().max().item())
+    return dict(block_for=cache.block_for(da, dg), diff=diff)

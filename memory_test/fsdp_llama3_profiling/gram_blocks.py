@@ -8,7 +8,7 @@ Reports the Gram FLOPs (PyTorch's FLOP counter) and the median time per call (CU
 
 Example::
 
-    python3 gram_blocks.py --preset llama3.2-1b --seq-lengths 512 1024 --blocks 0 128 256
+    python3 gram_blocks.py --preset llama3.2-1b --seq-lengths 512 1024 2048 --blocks 0 256 512
     python3 gram_blocks.py --out results/<folder>   # also writes gram_blocks.json / .md
 """
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seq-lengths", type=int, nargs="+", default=[512, 1024] if cuda else [128, 256, 512]
     )
-    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 64, 128, 256])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 64, 128, 256, 512])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16" if cuda else "fp32")
     parser.add_argument("--repeats", type=int, default=10 if cuda else 5)
     parser.add_argument("--out", type=Path, default=None, help="folder for the .json / .md")

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..block_gram import flop_fraction
+from ..block_gram import flop_fraction, resolve_block
+
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -32,13 +34,14 @@ class PerSampleGradPolicy:
 
     budget_bytes: int
     only_when_cheaper: bool = True
-    flops_per_byte: float = 10.0
+    flops_per_byte: float | None = None
     """Machine balance for the cost rule: the ghost norm's FLOPs are weighed against the bytes
     the per-sample gradients move (written once, read for the norm and for the weighted sum).
-    About 10 for a CPU core, 400 on CUDA (:func:`machine_balance`)."""
-    gram_block: int = 0
-    """Row block of the ghost norm's symmetric Grams (:mod:`opacus_fsdp_sync.block_gram`): the
-    ghost norm's FLOPs in the cost rule are those of the upper block triangle."""
+    None: :func:`machine_balance` of the layer input's device (10 on CPU, 400 on CUDA)."""
+    gram_block: int | str = 0
+    """Row block of the ghost norm's symmetric Grams (``"auto"`` or tokens, as
+    :func:`~opacus_fsdp_sync.block_gram.resolve_block`): the cost rule prices the ghost norm at
+    the FLOPs of the upper block triangle."""
     active: bool = False
     """Set per backward by the first pass: True only when its gradients will be kept."""
     used_bytes: int = 0
@@ -51,16 +54,28 @@ class PerSampleGradPolicy:
         self.used_bytes = self.taken = self.declined = 0
         self.stash.clear()
 
-    def cheaper(self, t: int, d_in: int, d_out: int, element_size: int) -> bool:
+    def cheaper(
+        self, t: int, d_in: int, d_out: int, element_size: int, device: torch.device = _CPU
+    ) -> bool:
         """Whether per-sample gradients beat the ghost norm for one sample of this layer.
 
         Ghost norm: ``2 T^2 (d_in + d_out)`` FLOPs, times the block triangle's share
         (:func:`~opacus_fsdp_sync.block_gram.flop_fraction`). Per-sample gradients: the same
         matmul FLOPs as the weight gradient they replace, plus ``4 d_in d_out`` FLOPs and
-        ``3 d_in d_out`` element reads and writes, priced at ``flops_per_byte``.
+        ``3 d_in d_out`` element reads and writes, priced at the machine balance.
+
+        Args:
+            t: Sequence length.
+            d_in: Input features.
+            d_out: Output features.
+            element_size: Bytes per gradient element.
+            device: The layer input's device (for ``"auto"`` settings).
         """
-        ghost = 2 * t * t * (d_in + d_out) * flop_fraction(t, self.gram_block)
-        direct = 4 * d_in * d_out + self.flops_per_byte * 3 * d_in * d_out * element_size
+        balance = self.flops_per_byte
+        balance = machine_balance(device) if balance is None else balance
+        block = resolve_block(self.gram_block, device)
+        ghost = 2 * t * t * (d_in + d_out) * flop_fraction(t, block)
+        direct = 4 * d_in * d_out + balance * 3 * d_in * d_out * element_size
         return ghost > direct
 
     def take(self, layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> bool:
@@ -69,7 +84,7 @@ class PerSampleGradPolicy:
             return False
         n, t, d_in = a.shape
         d_out = g.shape[-1]
-        if self.only_when_cheaper and not self.cheaper(t, d_in, d_out, g.element_size()):
+        if self.only_when_cheaper and not self.cheaper(t, d_in, d_out, g.element_size(), a.device):
             return False
         nbytes = n * d_in * d_out * g.element_size()
         if self.used_bytes + nbytes > self.budget_bytes:
