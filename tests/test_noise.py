@@ -106,3 +106,19 @@ def test_prefetch_layout_refreshes_after_a_dtype_change():
     assert per_step[0] == ["torch.float32"], per_step
     assert per_step[1] == ["torch.float32", "torch.float64"], per_step  # stale prefetch redrawn
     assert per_step[2:] == [["torch.float64"], ["torch.float64"]], per_step
+
+
+def test_prefetched_views_are_recorded_once_per_flat_buffer():
+    """The CUDA prefetch records its stream once per drawn buffer, not once per view."""
+    from opacus_fsdp_sync.optimizers.noise_prefetch import one_per_storage
+    from opacus_fsdp_sync.optimizers.noised_step import draw_flat_noise
+
+    shapes = [torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 2]), torch.Size([7])]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float32]
+    layout = tuple((s, d, torch.device("cpu")) for s, d in zip(shapes, dtypes))
+    views = draw_flat_noise(layout, 1.0, torch.Generator().manual_seed(0))
+    firsts = one_per_storage(views)
+    assert [t.dtype for t in firsts] == [torch.float32, torch.float64]  # one buffer per dtype
+    assert firsts[0] is views[0] and firsts[1] is views[2]
+    separate = [torch.zeros(2), torch.zeros(2)]
+    assert len(one_per_storage(separate)) == 2

@@ -145,3 +145,4 @@ def test_gram_blocks_benchmark_reports_fewer_flops_and_equal_norms(tmp_path):
         # Every Gram (7 output, 4 shared input) shrinks by the block triangle's share.
         assert r["flop_ratio"] == pytest.approx(flop_fraction(r["seq"], r["block"]))
     assert "| 64 | 16 |" in (tmp_path / "gram_blocks.md").read_text()
+    assert (tmp_path / "gram_blocks.png").stat().st_size > 0

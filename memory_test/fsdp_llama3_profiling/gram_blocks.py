@@ -9,7 +9,7 @@ Reports the Gram FLOPs (PyTorch's FLOP counter) and the median time per call (CU
 Example::
 
     python3 gram_blocks.py --preset llama3.2-1b --seq-lengths 512 1024 2048 --blocks 0 256 512
-    python3 gram_blocks.py --out results/<folder>   # also writes gram_blocks.json / .md
+    python3 gram_blocks.py --out results/<folder>   # also gram_blocks.json / .md / .png
 """
 
 from __future__ import annotations
@@ -140,6 +140,35 @@ def to_markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """``gram_blocks.png``: measured speed-up over full Grams, and the FLOP bound, per block."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    blocks = sorted({r["block"] for r in rows if r["block"]})
+    for i, block in enumerate(blocks):
+        pts = sorted(
+            (r["seq"], r["speedup"], 1 / r["flop_ratio"]) for r in rows if r["block"] == block
+        )
+        color = f"C{i}"
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"{block} tokens"
+        )
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=color)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("speed-up over full Gram matrices")
+    ax.set_title(title, fontsize=9)
+    ax.legend(title="row block (dotted: FLOP ratio)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measures every (sequence length, block) pair and prints (and optionally writes) a table."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
@@ -175,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = dict(vars(args), out=str(args.out), hardware=hw, torch=torch.__version__)
         (args.out / "gram_blocks.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (args.out / "gram_blocks.md").write_text(table)
+        title = f"{args.preset} decoder block, batch {args.batch}, {args.dtype}, {hw}"
+        plot(rows, args.out / "gram_blocks.png", title)
     return 0
 
 

@@ -95,7 +95,23 @@ class DrawAhead:
         if self._event is not None:
             current = torch.cuda.current_stream(self._event.device)
             current.wait_event(self._event)
-            for t in self._out:
+            for t in one_per_storage(self._out):  # views of one flat draw: one record each
                 t.record_stream(current)
             self._event = None
         return self._out
+
+
+def one_per_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per distinct storage among ``tensors`` (first seen), e.g. for ``record_stream``.
+
+    The caching allocator tracks streams per allocation, so recording a stream on one view
+    covers every view of the same storage.
+    """
+    seen: set[tuple] = set()
+    out = []
+    for t in tensors:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
