@@ -219,11 +219,14 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             if isinstance(t, torch.Tensor)
         }
         if self.context.kept_bytes == 0:
+            psg = sum(1 for _, inputs, _ in kept if inputs is None)
             logger_ghost.info(
                 "[Ghost] one backward holds %.1f MiB of layer inputs, output gradients and "
-                "per-sample gradients "
-                "between the first pass and the gradient phase",
+                "per-sample gradients between the first pass and the gradient phase "
+                "(%d layers from per-sample gradients, %d from their inputs and output gradients)",
                 sum(held.values()) / 2**20,
+                psg,
+                len(kept) - psg,
             )
         self.context.kept_bytes = sum(held.values())
         type_of = getattr(self.module, "_get_module_type", type)

@@ -12,7 +12,7 @@ from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.linear_norm import GramCache
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import SharedInputSeqNet, seq_sample_loss
-from tests.private import make_private
+from tests.private import capture_ghost_log, make_private
 
 warnings.filterwarnings("ignore")
 B, T, D = 6, 10, 16
@@ -176,10 +176,13 @@ def test_per_sample_budget_mixes_paths_and_stays_exact(setup, budget_layers, gra
     engine = PrivacyEngine(
         per_sample_grads=True, per_sample_grads_budget_bytes=budget, gram_block=gram_block
     )
+    records = capture_ghost_log()
     ours, gsm = _train(engine, base, x, y, C)
     policy = gsm.per_sample_policy
     assert policy.used_bytes <= budget
     assert (policy.taken > 0) is (budget_layers > 0) and policy.declined > 0
+    split = f"({policy.taken} layers from per-sample gradients, {6 - policy.taken} from their"
+    assert sum(split in r for r in records) == 1, records  # logged once, on the first step
     ghost, _ = _train(PrivacyEngine(per_sample_grads=False), base, x, y, C)
     assert _diff(ours, ghost) <= 1e-6
     ref = copy.deepcopy(base)
