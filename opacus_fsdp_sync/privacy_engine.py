@@ -315,6 +315,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
                 describe_block(opts.gram_block),
             )
+        if timing and hasattr(module, "time_norms"):
+            module.time_norms(self._context.timer)
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     @staticmethod
