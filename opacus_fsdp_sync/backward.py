@@ -189,7 +189,12 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             )
             coeff = self.module.get_clipping_coef()
             if one:
-                self._deliver_clipped_gradients(coeff)
+                # No hook may fire here: the generic path re-runs layers on their kept inputs.
+                self.module.disable_hooks()
+                try:
+                    self._deliver_clipped_gradients(coeff)
+                finally:
+                    self.module.enable_hooks()
             else:
                 second = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
                 self.module.disable_hooks()

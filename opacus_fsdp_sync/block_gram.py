@@ -49,16 +49,15 @@ def resolve_block(option: int | str, device: torch.device) -> int:
     return int(option)
 
 
-def describe_block(option: int | str) -> str:
-    """One log phrase for the ``gram_block`` option."""
-    if option == "auto":
-        return (
-            f"upper block triangle of the Grams in row blocks of {AUTO_BLOCK_CPU} tokens on CPU, "
-            f"{AUTO_BLOCK_ACCELERATOR} on accelerators (gram_block=auto)"
-        )
-    if option:
-        return f"upper block triangle of the Grams in row blocks of {option} tokens"
-    return "full Gram matrices (gram_block=0)"
+def describe_block(option: int | str, device: torch.device) -> str:
+    """One log phrase for the ``gram_block`` option on ``device`` (the model's)."""
+    block = resolve_block(option, device)
+    if not block:
+        return f"full Gram matrices (gram_block={option})"
+    return (
+        f"upper block triangle of the Grams in row blocks of {block} tokens "
+        f"(gram_block={option}, {device.type}; full Grams up to {block} tokens)"
+    )
 
 
 def row_blocks(t: int, block: int) -> list[tuple[int, int]]:

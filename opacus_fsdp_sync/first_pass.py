@@ -10,6 +10,8 @@ must report in that pass, or the step fails loudly.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from opacus.utils.module_utils import requires_grad
 from torch import nn
@@ -41,6 +43,16 @@ class PassTrackingMixin:
         #: When True, each layer's inputs and output gradient are kept for the one-backward step.
         self.keep_for_grads = False
         self._kept: list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]] = []
+        self._norm_timer = None
+
+    def time_norms(self, timer) -> None:
+        """Times each hooked layer's norm work as the ``norms`` phase of ``timer`` (a StepTimer).
+
+        The phase lies inside the first backward and covers every hooked layer's backward hook
+        once: ghost norms, per-sample gradients where taken, direct norms and upstream's
+        per-sample-gradient fallback; the shared-weight cross terms (``tied_norm``) are inside.
+        """
+        self._norm_timer = timer
 
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Records sources and captured layers, then runs Opacus's capture.
@@ -74,9 +86,12 @@ class PassTrackingMixin:
             self._reported.add(id(module))
             if self.keep_for_grads and getattr(module, "activations", None):
                 entry = (module, module.activations[-1], forward_output[0].detach())
-        result = super().capture_backprops_hook(
-            module, forward_input, forward_output, *args, **kwargs
-        )
+        timer = self._norm_timer if self.hooks_enabled else None
+        timed = timer.phase("norms") if timer is not None else contextlib.nullcontext()
+        with timed:
+            result = super().capture_backprops_hook(
+                module, forward_input, forward_output, *args, **kwargs
+            )
         psgs = policy.stash.pop(id(module), None) if policy is not None else None
         if entry is not None:
             # Per-sample gradients replace the inputs and output gradient (see one_backward).

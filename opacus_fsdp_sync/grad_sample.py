@@ -7,8 +7,6 @@ the missed-hook check (:mod:`.first_pass`), a direct Llama RMSNorm norm (:mod:`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
@@ -25,21 +23,6 @@ from .first_pass import PassTrackingMixin
 from .linear_norm import GramCache, make_linear_norm_sampler
 from .rms_norm import rms_norm_samplers
 from .tied.grad_sample import TiedNormMixin
-
-
-def _timed_sampler(fn, owner):
-    """``fn`` (a norm sampler) with each call timed as a ``norms`` phase.
-
-    The timer is ``owner._norm_timer``, looked up per call (a later ``time_norms`` replaces it).
-    """
-
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        with owner._norm_timer.phase("norms"):
-            return fn(*args, **kwargs)
-
-    timed._timed_as_norms = True
-    return timed
 
 
 class _Ours(PassTrackingMixin, TiedNormMixin):
@@ -73,18 +56,6 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         self.gram_cache = GramCache(gram_block)
         self.per_sample_policy = per_sample_policy
         self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache, per_sample_policy)
-
-    def time_norms(self, timer) -> None:
-        """Times every norm sampler call as the ``norms`` phase of ``timer`` (a StepTimer).
-
-        The phase lies inside the first backward: the per-sample norm work of every hooked layer
-        (ghost norms, per-sample gradients where taken, RMSNorm and embedding norms); the
-        shared-weight cross terms are timed apart, as ``tied_norm``.
-        """
-        self._norm_timer = timer
-        for cls, fn in list(self.NORM_SAMPLERS.items()):
-            if not getattr(fn, "_timed_as_norms", False):
-                self.NORM_SAMPLERS[cls] = _timed_sampler(fn, self)
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded, the shared Gram matrices included."""

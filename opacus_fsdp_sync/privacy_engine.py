@@ -313,7 +313,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             module.use_fast_norms(policy, gram_block=opts.gram_block)
             logger.info(
                 "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
-                describe_block(opts.gram_block),
+                describe_block(opts.gram_block, device),
             )
         if timing and hasattr(module, "time_norms"):
             module.time_norms(self._context.timer)

@@ -202,19 +202,28 @@ def test_per_sample_grads_option_is_validated():
 def test_per_sample_cost_rule_follows_the_machine_balance():
     from opacus_fsdp_sync.one_backward.per_sample import PerSampleGradPolicy, machine_balance
 
-    cpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(torch.device("cpu")))
-    gpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(torch.device("cuda")))
-    assert cpu.cheaper(128, 256, 688, 4)  # the small preset's MLP at seq 128: per-sample
-    assert not cpu.cheaper(10, 16, 12, 4)  # short sequences, tiny layers: ghost norms
+    cpu_dev, cuda_dev = torch.device("cpu"), torch.device("cuda")  # device objects only
+    cpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(cpu_dev))
+    gpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(cuda_dev))
+    assert cpu.cheaper(128, 256, 688, 4, cpu_dev)  # the small preset's MLP at seq 128
+    assert not cpu.cheaper(10, 16, 12, 4, cpu_dev)  # short sequences, tiny layers: ghost norms
     # The upper block triangle (9/16 of the Gram FLOPs at 8 blocks) tips the same layer to ghost.
     blocked = PerSampleGradPolicy(1, flops_per_byte=cpu.flops_per_byte, gram_block=16)
-    assert not blocked.cheaper(128, 256, 688, 4)
-    # "auto" resolves by device: 64-token blocks on CPU (3/4 of the FLOPs at T = 128) tip a
-    # 450 x 450 layer to ghost norms; full Grams would take per-sample gradients.
-    assert PerSampleGradPolicy(1, gram_block=0).cheaper(128, 450, 450, 4)
-    assert not PerSampleGradPolicy(1, gram_block="auto").cheaper(128, 450, 450, 4)
-    assert not gpu.cheaper(1024, 2048, 8192, 2)  # Llama-3.2-1B MLP at 1024 tokens: ghost
-    assert gpu.cheaper(8192, 2048, 2048, 2)  # long sequences: per-sample
+    assert not blocked.cheaper(128, 256, 688, 4, cpu_dev)
+    assert not gpu.cheaper(1024, 2048, 8192, 2, cuda_dev)  # Llama-3.2-1B MLP at T = 1024: ghost
+    assert gpu.cheaper(8192, 2048, 2048, 2, cuda_dev)  # long sequences: per-sample
+    # Unset balance and "auto" blocks resolve by the device. CPU: 64-token blocks (3/4 of the
+    # FLOPs at T = 128) tip a 450 x 450 layer to ghost norms; full Grams would not.
+    full, auto_policy = (
+        PerSampleGradPolicy(1, gram_block=0),
+        PerSampleGradPolicy(1, gram_block="auto"),
+    )
+    assert full.cheaper(128, 450, 450, 4, cpu_dev)
+    assert not auto_policy.cheaper(128, 450, 450, 4, cpu_dev)
+    # CUDA: balance 400 and 512-token blocks (5/8 of the FLOPs at T = 2048) tip a 5000 x 5000
+    # bf16 layer; with the CPU balance both would take per-sample gradients.
+    assert full.cheaper(2048, 5000, 5000, 2, cuda_dev)
+    assert not auto_policy.cheaper(2048, 5000, 5000, 2, cuda_dev)
     auto = PrivacyEngine()
     model = copy.deepcopy(SharedInputSeqNet(D))
     x, y = torch.randn(B, T, D), torch.randint(0, 8, (B, T))

@@ -137,6 +137,7 @@ def test_make_private_with_epsilon(setup):
     opt.step()
     assert set(engine.last_step_timings) == {
         "first_backward",
+        "norms",
         "re-enable_sync",
         "weight_grads",
         "reduce_scatter",
@@ -171,3 +172,33 @@ def test_timing_env_and_off_by_default(monkeypatch, caplog):
     assert on.clock == "perf_counter"
     assert on.last_step["first_backward"] > 0
     assert any(r.getMessage().startswith("[Ghost] first_backward: ") for r in caplog.records)
+
+
+@pytest.mark.parametrize("timing", [True, False])
+def test_norms_phase_times_every_hooked_layer_once(setup, timing):
+    """``norms``: one timed span per hooked layer per step, the upstream fallback included."""
+    base, x, y, C = setup
+    model = nn.Sequential(nn.Linear(16, 16), nn.GroupNorm(4, 16), nn.Linear(16, 8))
+    engine = PrivacyEngine(timing=timing)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
+    assert nn.GroupNorm not in gsm.NORM_SAMPLERS  # upstream's per-sample-gradient fallback
+    timer = engine._context.timer
+    names: list[str] = []
+    original = timer.phase
+
+    def spy(name):
+        names.append(name)
+        return original(name)
+
+    timer.phase = spy
+    for s in range(2):
+        crit(gsm(x[s * B : (s + 1) * B]), y[s * B : (s + 1) * B]).backward()
+        opt.step()
+        opt.zero_grad()
+        # The generic path re-ran the GroupNorm in the gradient phase with hooks off: it left
+        # no first-pass source or captured layer behind for the next step.
+        assert not gsm._sources and not gsm._captured
+    assert names.count("norms") == (2 * 3 if timing else 0)
+    assert (gsm._norm_timer is timer) is timing
+    if timing:
+        assert 0 < engine.last_step_timings["norms"] < engine.last_step_timings["first_backward"]

@@ -21,8 +21,6 @@ from torch import nn
 
 from ..block_gram import flop_fraction, resolve_block
 
-_CPU = torch.device("cpu")
-
 
 @dataclass
 class PerSampleGradPolicy:
@@ -37,7 +35,7 @@ class PerSampleGradPolicy:
     flops_per_byte: float | None = None
     """Machine balance for the cost rule: the ghost norm's FLOPs are weighed against the bytes
     the per-sample gradients move (written once, read for the norm and for the weighted sum).
-    None: :func:`machine_balance` of the layer input's device (10 on CPU, 400 on CUDA)."""
+    None: :func:`machine_balance` of the layer input's device (10 on CPU, 400 on accelerators)."""
     gram_block: int | str = 0
     """Row block of the ghost norm's symmetric Grams (``"auto"`` or tokens, as
     :func:`~opacus_fsdp_sync.block_gram.resolve_block`): the cost rule prices the ghost norm at
@@ -55,7 +53,7 @@ class PerSampleGradPolicy:
         self.stash.clear()
 
     def cheaper(
-        self, t: int, d_in: int, d_out: int, element_size: int, device: torch.device = _CPU
+        self, t: int, d_in: int, d_out: int, element_size: int, device: torch.device
     ) -> bool:
         """Whether per-sample gradients beat the ghost norm for one sample of this layer.
 
@@ -96,13 +94,13 @@ class PerSampleGradPolicy:
 
 
 def machine_balance(device: torch.device) -> float:
-    """FLOPs per byte of memory traffic the cost rule assumes: 400 on CUDA, 10 on CPU.
+    """FLOPs per byte of memory traffic the cost rule assumes: 10 on CPU, 400 on accelerators.
 
     An H100 in bf16 has about 200 (about 600 TFLOP/s against 3 TB/s); 400 is what one measured
     run asked for (Llama-3.2-1B shape, T = 1024, batch 8: per-sample gradients 5 % slower than
     ghost norms), so CUDA takes per-sample gradients only where they win clearly.
     """
-    return 400.0 if device.type == "cuda" else 10.0
+    return 10.0 if device.type == "cpu" else 400.0
 
 
 def linear_per_sample_grads(

@@ -105,11 +105,13 @@ def one_per_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """One tensor per distinct storage among ``tensors`` (first seen), e.g. for ``record_stream``.
 
     The caching allocator tracks streams per allocation, so recording a stream on one view
-    covers every view of the same storage.
+    covers every view of the same storage. Empty tensors (no allocation) are left out.
     """
     seen: set[tuple] = set()
     out = []
     for t in tensors:
+        if t.untyped_storage().nbytes() == 0:
+            continue
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in seen:
             seen.add(key)
