@@ -220,6 +220,7 @@ def test_per_sample_cost_rule_follows_the_machine_balance():
     )
     assert full.cheaper(128, 450, 450, 4, cpu_dev)
     assert not auto_policy.cheaper(128, 450, 450, 4, cpu_dev)
+    assert auto_policy.cheaper(128, 450, 450, 4, cpu_dev, blocked=False)  # DTensor: full Grams
     # CUDA: balance 400 and 512-token blocks (5/8 of the FLOPs at T = 2048) tip a 5000 x 5000
     # bf16 layer; with the CPU balance both would take per-sample gradients.
     assert full.cheaper(2048, 5000, 5000, 2, cuda_dev)

@@ -53,7 +53,13 @@ class PerSampleGradPolicy:
         self.stash.clear()
 
     def cheaper(
-        self, t: int, d_in: int, d_out: int, element_size: int, device: torch.device
+        self,
+        t: int,
+        d_in: int,
+        d_out: int,
+        element_size: int,
+        device: torch.device,
+        blocked: bool = True,
     ) -> bool:
         """Whether per-sample gradients beat the ghost norm for one sample of this layer.
 
@@ -68,10 +74,12 @@ class PerSampleGradPolicy:
             d_out: Output features.
             element_size: Bytes per gradient element.
             device: The layer input's device (for ``"auto"`` settings).
+            blocked: False where the ghost norm takes full Grams whatever ``gram_block`` says
+                (DTensor inputs, see :class:`~opacus_fsdp_sync.linear_norm.GramCache`).
         """
         balance = self.flops_per_byte
         balance = machine_balance(device) if balance is None else balance
-        block = resolve_block(self.gram_block, device)
+        block = resolve_block(self.gram_block, device) if blocked else 0
         ghost = 2 * t * t * (d_in + d_out) * flop_fraction(t, block)
         direct = 4 * d_in * d_out + balance * 3 * d_in * d_out * element_size
         return ghost > direct
@@ -82,7 +90,10 @@ class PerSampleGradPolicy:
             return False
         n, t, d_in = a.shape
         d_out = g.shape[-1]
-        if self.only_when_cheaper and not self.cheaper(t, d_in, d_out, g.element_size(), a.device):
+        plain = type(a) is torch.Tensor and type(g) is torch.Tensor  # DTensors: full Grams
+        if self.only_when_cheaper and not self.cheaper(
+            t, d_in, d_out, g.element_size(), a.device, blocked=plain
+        ):
             return False
         nbytes = n * d_in * d_out * g.element_size()
         if self.used_bytes + nbytes > self.budget_bytes:
