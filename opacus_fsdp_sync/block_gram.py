@@ -116,15 +116,16 @@ def contract_output_grams(
     Returns:
         ``(weight_sq, bias_sq)``, each ``(N,)`` in at least fp32, or None where not asked for.
     """
+    if aat is None:  # bias only: |sum_t g_t|^2 directly, no Gram
+        return None, (widen(g).sum(1).pow(2).sum(1) if bias else None)
     w_sq = b_sq = None
     gt = g.transpose(1, 2)
     for i, (s, w) in enumerate(row_blocks(g.shape[1], block)):
         ggt = torch.bmm(g[:, s : s + w], gt[:, :, s:])
-        if aat is not None:
-            a_i = aat[i]
-            prod = a_i * ggt if a_i.dtype == ggt.dtype == torch.float32 else widen(a_i) * ggt
-            part = _fold(prod, w)
-            w_sq = part if w_sq is None else w_sq + part
+        a_i = aat[i]
+        prod = a_i * ggt if a_i.dtype == ggt.dtype == torch.float32 else widen(a_i) * ggt
+        part = _fold(prod, w)
+        w_sq = part if w_sq is None else w_sq + part
         if bias:
             part = _fold(widen(ggt), w)
             b_sq = part if b_sq is None else b_sq + part

@@ -236,3 +236,29 @@ def test_per_sample_cost_rule_follows_the_machine_balance():
     blocks4 = PrivacyEngine(gram_block=4)
     gsm4, *_ = make_private(blocks4, SharedInputSeqNet(D), (x, y), B, 1.0, "ghost")
     assert gsm4.per_sample_policy.gram_block == gsm4.gram_cache.block == 4
+
+
+@pytest.mark.parametrize("gram_block", [0, 4])
+def test_frozen_weights_with_trainable_biases_are_exact(setup, gram_block):
+    """q and up train only their bias: their norms come from the bias term alone, and the input
+    Grams they share with k/v and gate are counted for the weight readers only."""
+    base, x, y, C = setup
+    base = copy.deepcopy(base)
+    base.q.weight.requires_grad_(False)
+    base.up.weight.requires_grad_(False)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x[:B], y[:B], 1.0)
+    C = norms.median().item()
+    assert 0 < (norms > C).sum() < B  # clipping active
+    engine = PrivacyEngine(per_sample_grads=False, gram_block=gram_block)
+    ours, gsm = _train(engine, base, x, y, C)
+    assert not gsm.gram_cache._grams and not gsm.gram_cache._readers  # nothing left behind
+    upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
+    ref = copy.deepcopy(base)
+    for s in range(2):
+        sl = slice(s * B, (s + 1) * B)
+        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
+    loop = {n: p.detach() for n, p in ref.named_parameters()}
+    assert _diff(ours, upstream) <= 1e-6
+    assert _diff(ours, loop) <= 1e-6
+    assert (ours["q.weight"] == base.q.weight).all()  # frozen
+    assert (ours["q.bias"] - base.q.bias).abs().max() > 1e-3  # trained
