@@ -58,6 +58,15 @@ def _train(engine, base, x, y, C, counter=None, steps=2):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, gsm
 
 
+def _loop(base, x, y, C, steps=2):
+    """Parameters after ``steps`` steps of the clip-each-sample loop (lr 0.5, as ``_train``)."""
+    ref = copy.deepcopy(base)
+    for s in range(steps):
+        sl = slice(s * B, (s + 1) * B)
+        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
+    return {n: p.detach() for n, p in ref.named_parameters()}
+
+
 def _diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -76,11 +85,7 @@ def test_fast_norms_equal_upstream_and_loop(setup, one_backward, per_sample, gra
     ours, gsm = _train(engine, base, x, y, C)
     assert gsm.gram_cache is not None
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
-    ref = copy.deepcopy(base)
-    for s in range(2):
-        sl = slice(s * B, (s + 1) * B)
-        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
-    loop = {n: p.detach() for n, p in ref.named_parameters()}
+    loop = _loop(base, x, y, C)
     assert _diff(ours, upstream) <= 1e-6
     assert _diff(ours, loop) <= 1e-6
     assert _diff(ours, {n: p for n, p in base.named_parameters()}) > 1e-3
@@ -185,11 +190,7 @@ def test_per_sample_budget_mixes_paths_and_stays_exact(setup, budget_layers, gra
     assert sum(split in r for r in records) == 1, records  # logged once, on the first step
     ghost, _ = _train(PrivacyEngine(per_sample_grads=False), base, x, y, C)
     assert _diff(ours, ghost) <= 1e-6
-    ref = copy.deepcopy(base)
-    for s in range(2):
-        sl = slice(s * B, (s + 1) * B)
-        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
-    assert _diff(ours, {n: p.detach() for n, p in ref.named_parameters()}) <= 1e-6
+    assert _diff(ours, _loop(base, x, y, C)) <= 1e-6
 
 
 def test_per_sample_grads_option_is_validated():
@@ -253,11 +254,7 @@ def test_frozen_weights_with_trainable_biases_are_exact(setup, gram_block):
     ours, gsm = _train(engine, base, x, y, C)
     assert not gsm.gram_cache._grams and not gsm.gram_cache._readers  # nothing left behind
     upstream, _ = _train(opacus.PrivacyEngine(), base, x, y, C)
-    ref = copy.deepcopy(base)
-    for s in range(2):
-        sl = slice(s * B, (s + 1) * B)
-        clip_each_sample_step(ref, seq_sample_loss, x[sl], y[sl], C, 0.5)
-    loop = {n: p.detach() for n, p in ref.named_parameters()}
+    loop = _loop(base, x, y, C)
     assert _diff(ours, upstream) <= 1e-6
     assert _diff(ours, loop) <= 1e-6
     assert (ours["q.weight"] == base.q.weight).all()  # frozen

@@ -20,7 +20,6 @@ import json
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opacus_fsdp_sync.linear_norm import GramCache, make_linear_norm_sampler
 from opacus_fsdp_sync.models.llama import PRESETS
+from opacus_fsdp_sync.profiling import StepTimer
 
 logger = logging.getLogger("opacus_fsdp_sync.gram_blocks")
 
@@ -72,20 +72,13 @@ def _norms_once(sampler, cache, mods, layers, acts, grads) -> list[torch.Tensor]
 
 
 def _time_ms(fn, device, repeats: int) -> float:
-    """Median wall time of ``fn`` (CUDA events on GPU)."""
+    """Median time of ``fn`` over ``repeats`` calls (the engine's StepTimer: CUDA events on GPU)."""
+    timer = StepTimer(enabled=True, device=device, log=False)
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with timer.phase("call"):
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(timer.flush()["call"])
     return statistics.median(times)
 
 
