@@ -18,7 +18,8 @@ from .block_gram import describe_block
 from .distributed import _fsdp1_internals as fsdp1_internals
 from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import UnsupportedConfigurationError, make_controller
-from .distributed.detect import DDP, FSDP1, FSDP2, get_fsdp_root_module
+from .distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
+from .distributed.layout import check_layout, is_distributed, world_size
 from .grad_sample import ghost_class
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
@@ -27,6 +28,12 @@ from .tied import find_shared_parameters
 logger = logging.getLogger("opacus_fsdp_sync")
 
 _GHOST_MODES = ("ghost", "ghost_fsdp")
+#: What Opacus's ``make_private`` counts as distributed (by the passed object's type).
+_OPACUS_DISTRIBUTED = (
+    opacus.distributed.DifferentiallyPrivateDistributedDataParallel,
+    torch.nn.parallel.DistributedDataParallel,
+    torch.distributed.fsdp.FSDPModule,
+)
 
 
 def _first_device(module: torch.nn.Module) -> torch.device:
@@ -41,8 +48,10 @@ class _CallPlan:
 
     optimizer: str | None = None
     """None (Opacus's), ``"shared_noise"``, ``"fsdp1"`` or ``"fsdp2"``."""
-    fsdp1: bool = False
-    """The model is FSDP1, which Opacus does not count as distributed."""
+    missed_distributed: bool = False
+    """The layout is distributed but Opacus, judging by the wrapper's type, counts it as one
+    process (FSDP1; FSDP2 without a root unit or below a plain wrapper): the data loader and the
+    expected batch per rank must be the distributed ones."""
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -160,7 +169,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
         if kwargs.get("grad_sample_mode") not in _GHOST_MODES or "module" not in kwargs:
             return _CallPlan()
-        root = get_fsdp_root_module(kwargs["module"])
+        module = kwargs["module"]
+        root = get_fsdp_root_module(module)
+        check_layout(_unwrap(module), root)
+        missed = is_distributed(root) and not isinstance(module, _OPACUS_DISTRIBUTED)
+        plan = self._plan_optimizer(root, opts, kwargs["grad_sample_mode"])
+        return dataclasses.replace(plan, missed_distributed=missed)
+
+    def _plan_optimizer(self, root, opts: GhostOptions, mode: str) -> _CallPlan:
         if root.api == FSDP1:
             # raises early for what FSDP1 cannot do
             make_controller(
@@ -176,12 +192,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
                     "FSDP1 NO_SHARD replicas must add one shared noise draw, which secure_mode "
                     "cannot provide here; use FULL_SHARD or SHARD_GRAD_OP, or FSDP2."
                 )
-            return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1", fsdp1=True)
+            return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1")
         ours = opts.sync_optimization and not self.secure_mode
         if root.api == DDP and ours and opts.restricted_first_pass:
             make_controller(root, enabled=True, restricted=True)  # raises early (static_graph)
             return _CallPlan("shared_noise")
-        if root.api == FSDP2 and ours and kwargs["grad_sample_mode"] == "ghost_fsdp":
+        if root.api == FSDP2 and ours and mode == "ghost_fsdp":
             return _CallPlan("fsdp2")
         return _CallPlan()
 
@@ -198,8 +214,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return super().make_private_with_epsilon(**kwargs)
 
     def _prepare_data_loader(self, data_loader, *, distributed, **kwargs):
-        """Opacus's data loader; FSDP1 (which Opacus does not count as distributed) is."""
-        distributed = distributed or self._plan.fsdp1
+        """Opacus's data loader, distributed wherever the layout is (see :mod:`.layout`)."""
+        distributed = distributed or self._plan.missed_distributed
         return super()._prepare_data_loader(data_loader, distributed=distributed, **kwargs)
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
@@ -216,6 +232,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
             SharedNoiseDPOptimizer,
         )
 
+        if self._plan.missed_distributed and not kwargs.get("distributed"):
+            # Opacus judged the wrapper's type, not the layout: the batch per rank it expects
+            # is the global one, which would scale gradient and noise by 1 / world size.
+            kwargs["expected_batch_size"] /= world_size()
+            kwargs["distributed"] = True
         choice = self._plan.optimizer
         if choice is None or kwargs.get("clipping") != "flat":
             return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
@@ -223,8 +244,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
         generator = self.secure_rng if self.secure_mode else kwargs.get("noise_generator")
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
-        if self._plan.fsdp1:  # Opacus did not divide by the world size: not "distributed"
-            kwargs["expected_batch_size"] /= torch.distributed.get_world_size()
         if choice == "fsdp2":
             logger.info("[Ghost] FSDP2: DP optimizer drawing noise for the local shard only")
             return ShardedNoiseFSDPOptimizer(inner, generator=generator, **kwargs)
