@@ -36,9 +36,21 @@ class GhostStepContext:
     handoff: object = None
     """With the restricted first pass: delivers clipped gradients computed from it (one
     backward per step); None runs the second backward."""
+    last_step_one_backward: bool | None = None
+    """Whether the last completed step ran one backward (None before the first step): a step
+    may fall back to two passes (no first-pass source, or a loss term outside the hooked
+    layers)."""
     kept_bytes: int = 0
     """One backward: bytes of layer inputs and output gradients held from the first pass until
     the gradient phase, in the last step."""
+    fallbacks: set[str] = field(default_factory=set)
+    """Fallbacks already logged (each is logged once, as a warning)."""
+
+    def fallback(self, why: str) -> None:
+        """Logs, once per reason, that a step took a slower path than planned and why."""
+        if why not in self.fallbacks:
+            self.fallbacks.add(why)
+            logger_ghost.warning("[Ghost] fallback: %s", why)
 
 
 def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
@@ -151,35 +163,43 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "API relies on an activations-only first pass. For DDP pass "
                 "restricted_first_pass=False to PrivacyEngine; FSDP1 has no fallback (use FSDP2)."
             )
+        if self.context.restricted_first_pass and not restricted:
+            self.context.fallback(
+                "no first-pass source (no hooked layer whose inputs need no gradient): the first "
+                "backward computes weight gradients too, and the step takes two backward passes"
+            )
+        elif restricted and self.context.handoff is not None and self.direct_terms:
+            self.context.fallback(
+                "the loss combines a term that needs gradients outside the hooked layers (e.g. "
+                "loss + reg): one backward cannot see it, so the step takes two backward passes"
+            )
         one = restricted and self.context.handoff is not None and not self.direct_terms
         if one:
             self.module.keep_for_grads = True
-        ok = False
+        first_error: BaseException | None = None
         try:
             with phase("first_backward"), timer.phase("first_backward"):
                 controller.begin_first_pass()
                 reduced_loss.backward(inputs=sources if restricted else None, retain_graph=not one)
                 if restricted:
                     self.module.check_all_reported()
-            ok = True
-        finally:
-            del sources
-            if getattr(self.module, "gram_cache", None) is not None:
-                self.module.gram_cache.clear()  # every norm of this step is computed
-            if one:
-                self.module.keep_for_grads = False
-            try:
-                with phase("re-enable_sync"), timer.phase("re-enable_sync"):
-                    controller.end_first_pass()
-            finally:
-                if tracking and not restricted:
-                    self.module.forget_pass()
-                if not ok:
-                    controller.abort()
-                    reset_opacus_step_state(self.module)
-                    if tracking:
-                        self.module.forget_pass()
-                    self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+        except BaseException as err:  # cleaned up below, then re-raised
+            first_error = err
+        del sources
+        if getattr(self.module, "gram_cache", None) is not None:
+            self.module.gram_cache.clear()  # every norm of this step is computed
+        if one:
+            self.module.keep_for_grads = False
+        try:
+            with phase("re-enable_sync"), timer.phase("re-enable_sync"):
+                controller.end_first_pass()
+        except BaseException as err:
+            first_error = _first(first_error, err)
+        if tracking and not restricted:
+            self.module.forget_pass()
+        if first_error is not None:
+            self._clean_up_failed_step(first_error, tracking)
+            raise first_error
         try:
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
@@ -203,14 +223,28 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                         second.backward()
                 finally:
                     self.module.enable_hooks()
-        except BaseException:
-            controller.abort()
-            reset_opacus_step_state(self.module)
-            if tracking:
-                self.module.forget_pass()
-            self.optimizer.original_optimizer.zero_grad(set_to_none=True)
+        except BaseException as err:
+            self._clean_up_failed_step(err, tracking)
             raise
+        self.context.last_step_one_backward = one
         timer.end_step()
+
+    def _clean_up_failed_step(self, error: BaseException, tracking: bool) -> None:
+        """Drops everything a failed step left, every part even when an earlier part raises.
+
+        FSDP state (``controller.abort``), Opacus's per-step state, the first pass's sources and
+        every gradient. A cleanup part that raises is logged and attached to ``error`` (as a note,
+        and in ``error.cleanup_errors``): the user sees the step's own error, never a cleanup's.
+        """
+        parts = [self.context.controller.abort, lambda: reset_opacus_step_state(self.module)]
+        if tracking:
+            parts.append(self.module.forget_pass)
+        parts.append(lambda: self.optimizer.original_optimizer.zero_grad(set_to_none=True))
+        for part in parts:
+            try:
+                part()
+            except Exception as cleanup:  # noqa: BLE001 - reported with the step's own error
+                _attach(error, cleanup)
 
     def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
         from .one_backward import by_parameter, clipped_gradients
@@ -253,6 +287,35 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         del kept
         with phase(name), timer.phase(name):
             handoff(grads)
+
+
+def _first(first: BaseException | None, later: BaseException) -> BaseException:
+    """The error to raise: the first one, with a later one attached to it."""
+    if first is None:
+        return later
+    _attach(first, later)
+    return first
+
+
+def _attach(error: BaseException, later: BaseException) -> None:
+    """Records ``later`` (raised while cleaning up after ``error``) on ``error`` and logs it."""
+    logger.error(
+        "opacus_fsdp_sync: cleaning up after %s raised %s: %s",
+        type(error).__name__,
+        type(later).__name__,
+        later,
+        exc_info=later,
+    )
+    errors = getattr(error, "cleanup_errors", None)
+    if errors is None:
+        errors = []
+        try:
+            error.cleanup_errors = errors
+        except AttributeError:  # an exception type with __slots__
+            return
+    errors.append(later)
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(f"While cleaning up after it: {type(later).__name__}: {later}")
 
 
 @contextmanager

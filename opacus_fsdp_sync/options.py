@@ -115,10 +115,28 @@ def default_budget(device: torch.device) -> int:
     return 0
 
 
-def decide_keep_unsharded(options: GhostOptions, extra_bytes: int, device: torch.device) -> bool:
-    """Applies the keep-unsharded policy and logs the choice and why."""
+def decide_keep_unsharded(
+    options: GhostOptions, extra_bytes: int, device: torch.device, *, one_backward: bool = False
+) -> bool:
+    """Applies the keep-unsharded policy and logs the choice and why.
+
+    Args:
+        options: The engine's options (``keep_unsharded``, ``keep_unsharded_budget_bytes``).
+        extra_bytes: Bytes per rank that unsharded parameters take between the passes.
+        device: Where the parameters live (for the default budget).
+        one_backward: The step runs one backward, whose hand-off never gathers parameters
+            again: ``"auto"`` then keeps nothing unsharded.
+    """
     mib = extra_bytes / 2**20
-    if options.keep_unsharded is not True and options.keep_unsharded is not False:
+    auto = options.keep_unsharded is not True and options.keep_unsharded is not False
+    if auto and one_backward:
+        logger.info(
+            "[Ghost] keep_unsharded=auto -> off: one backward gathers no parameter again "
+            "(%.1f MiB per rank not held)",
+            mib,
+        )
+        return False
+    if auto:
         budget = options.keep_unsharded_budget_bytes
         budget = default_budget(device) if budget is None else budget
         keep = extra_bytes <= budget

@@ -80,7 +80,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self._context: GhostStepContext | None = None
         self.sync_api: str | None = None
         self.keep_unsharded: bool = False
-        self.one_backward: bool = False
+        self._one_backward_planned = False
         self._plan = _CallPlan()
 
     @property
@@ -171,9 +171,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return _CallPlan()
         module = kwargs["module"]
         root = get_fsdp_root_module(module)
+        plan = self._plan_optimizer(root, opts, kwargs["grad_sample_mode"])  # API refusals
         check_layout(_unwrap(module), root)
         missed = is_distributed(root) and not isinstance(module, _OPACUS_DISTRIBUTED)
-        plan = self._plan_optimizer(root, opts, kwargs["grad_sample_mode"])
         return dataclasses.replace(plan, missed_distributed=missed)
 
     def _plan_optimizer(self, root, opts: GhostOptions, mode: str) -> _CallPlan:
@@ -301,9 +301,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
         timing = timing_enabled_from_env() if opts.timing is None else opts.timing
         root = get_fsdp_root_module(module)
         device = _first_device(getattr(module, "_module", module))
+        handoff = self._one_backward_handoff(module, root, opts)
         keep = False
         if root.api == FSDP2 and opts.sync_optimization:
-            keep = decide_keep_unsharded(opts, internals.unsharded_bytes(root.modules), device)
+            keep = decide_keep_unsharded(
+                opts,
+                internals.unsharded_bytes(root.modules),
+                device,
+                one_backward=handoff is not None,
+            )
         controller = make_controller(
             root,
             enabled=opts.sync_optimization,
@@ -317,8 +323,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if opts.restricted_first_pass:
             logger.info("[Ghost] first backward w.r.t. activations only (no weight gradients)")
         self.sync_api, self.keep_unsharded = controller.api, keep
-        handoff = self._one_backward_handoff(module, root, opts)
-        self.one_backward = handoff is not None
+        self._one_backward_planned = handoff is not None
         self._context = GhostStepContext(
             controller=controller,
             timer=StepTimer(enabled=timing, device=device),
@@ -399,6 +404,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return None
         logger.info("[Ghost] step: one backward (clipped weight gradients from the first pass)")
         return handoff
+
+    @property
+    def one_backward(self) -> bool:
+        """Whether the last model made private runs one backward per step.
+
+        After a step: whether that step did (a step falls back to two passes, logged, when its
+        loss has no first-pass source or adds a term outside the hooked layers); before any
+        step: the plan.
+        """
+        ran = None if self._context is None else self._context.last_step_one_backward
+        return self._one_backward_planned if ran is None else ran
 
     @property
     def last_step_kept_bytes(self) -> int:

@@ -21,18 +21,20 @@ def make_private(
     lr=0.5,
     optimizer=None,
     criterion=None,
+    shuffle=False,
     **kwargs,
 ):
     """``engine.make_private`` with SGD (or ``optimizer``) and a loader of ``batch`` samples.
 
     Opacus's expected batch per rank is the loader's batch divided by the world size when the
-    model is distributed, so ``batch`` is the global batch.
+    model is distributed, so ``batch`` is the global batch. ``shuffle``: a sampler with a
+    generator, which ``secure_mode`` replaces (the tests feed batches themselves).
     """
     return engine.make_private(
         module=model,
         optimizer=optimizer or torch.optim.SGD(model.parameters(), lr=lr),
         criterion=criterion or nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(*data), batch_size=batch),
+        data_loader=DataLoader(TensorDataset(*data), batch_size=batch, shuffle=shuffle),
         noise_multiplier=noise,
         max_grad_norm=C,
         poisson_sampling=False,

@@ -14,10 +14,12 @@ from tests import workers_layouts as wl
 pytestmark = [pytest.mark.distributed]
 
 
-def _check(results, api, world):
+def _check(results, api, world, secure=False):
     b = wl.B_LOCAL * world
     assert (results[0]["norms"] > wl.C).sum() >= 2, results[0]["norms"]  # clipping active
     for layout, calibrated in wl.LAYOUTS[api].items():
+        if secure and layout not in wl.SECURE:
+            continue
         per_rank = [r[layout] for r in results]
         if not calibrated:
             for r in per_rank:
@@ -55,3 +57,9 @@ def test_unmanaged_trainable_parameters_are_refused_before_anything_is_wrapped()
             assert message is not None and "l3.weight" in message, (path, message)
             assert "fully_shard" in message, (path, message)
             assert hooks == 0, path
+
+
+@pytest.mark.parametrize("api", ["fsdp2", "fsdp1", "ddp"])
+def test_secure_mode_noise_is_calibrated(api):
+    """Opacus's optimizers and secure draws (FSDP1: our secure shard noise and its scaling)."""
+    _check(run_ranks(wl.layouts, 2, api, True, timeout=600), api, 2, secure=True)

@@ -170,11 +170,29 @@ def _hooked(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in model.modules())
 
 
-def _one_step(api, layout, rank, world, x, y, noise):
+#: The layouts run again under ``secure_mode`` (Opacus's optimizers, its secure noise).
+SECURE = ("fsdp2_root", "fsdp2_rootless", "fsdp1_root", "ddp_root")
+
+
+def _stand_in_csprng() -> None:
+    """``secure_mode`` needs torchcsprng, which has no build for this torch: a stand-in whose
+    generator is seeded from the OS CSPRNG (Opacus's secure code paths run unchanged)."""
+    import os
+    import sys
+    import types
+
+    mod = types.ModuleType("torchcsprng")
+    mod.create_random_device_generator = lambda path: torch.Generator().manual_seed(
+        int.from_bytes(os.urandom(8), "little") >> 1
+    )
+    sys.modules["torchcsprng"] = mod
+
+
+def _one_step(api, layout, rank, world, x, y, noise, secure=False):
     model = BUILD[api](layout, world)
     mode = "ghost" if api == "ddp" else "ghost_fsdp"
     gsm, opt, crit, _ = make_private(
-        PrivacyEngine(),
+        PrivacyEngine(secure_mode=secure),
         model,
         (x, y),
         B_LOCAL * world,
@@ -182,7 +200,9 @@ def _one_step(api, layout, rank, world, x, y, noise):
         mode,
         noise=noise,
         lr=1.0,
-        noise_generator=torch.Generator().manual_seed(SEED),  # identical on every rank
+        # identical on every rank (the dangerous case); secure_mode draws from its own
+        noise_generator=None if secure else torch.Generator().manual_seed(SEED),
+        shuffle=secure,
     )
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     crit(gsm(x[lo:hi]), y[lo:hi]).backward()
@@ -190,12 +210,19 @@ def _one_step(api, layout, rank, world, x, y, noise):
     return model
 
 
-def layouts(rank: int, world: int, api: str) -> dict:
-    """For each layout of ``api``: the refusal message, or the update and noise it produced."""
+def layouts(rank: int, world: int, api: str, secure: bool = False) -> dict:
+    """For each layout of ``api``: the refusal message, or the update and noise it produced.
+
+    With ``secure``: the calibrated layouts of :data:`SECURE` only, under ``secure_mode``.
+    """
+    if secure:
+        _stand_in_csprng()
     x, y = _data(world)
     before = _named(_base())
     out = {"norms": per_sample_clipped_grads(_base(), _sample_loss, x, y, C)[1]}
     for layout, calibrated in LAYOUTS[api].items():
+        if secure and layout not in SECURE:
+            continue
         if not calibrated:
             model = BUILD[api](layout, world)
             hooks = _hooked(model)
@@ -219,8 +246,8 @@ def layouts(rank: int, world: int, api: str) -> dict:
         if layout.endswith("_frozen"):
             plain.l3.requires_grad_(False)
         ref, _ = per_sample_clipped_grads(plain, _sample_loss, x, y, C)
-        clean = _one_step(api, layout, rank, world, x, y, 0.0)
-        noisy = _one_step(api, layout, rank, world, x, y, SIGMA)
+        clean = _one_step(api, layout, rank, world, x, y, 0.0, secure)
+        noisy = _one_step(api, layout, rank, world, x, y, SIGMA, secure)
         clean_full, noisy_full = _full(clean), _full(noisy)
         update = {n: before[n] - clean_full[n] for n in clean_full}
         assert update.keys() == ref.keys(), (sorted(update), sorted(ref))
@@ -250,4 +277,28 @@ def unmanaged_parameters(rank: int, world: int) -> dict:
             out[name] = (f"{type(err).__name__}: {err}", _hooked(model) - hooks)
         else:
             out[name] = (None, _hooked(model) - hooks)
+    return out
+
+
+def keep_unsharded_plan(rank: int, world: int) -> dict:
+    """``keep_unsharded="auto"`` with and without one backward: the decision, and the step."""
+    x, y = _data(world)
+    before = _named(_base())
+    ref, _ = per_sample_clipped_grads(_base(), _sample_loss, x, y, C)
+    out = {}
+    for name, kw in {"one_backward": {}, "two_passes": {"one_backward": False}}.items():
+        model = _fsdp2("fsdp2_root", world)
+        engine = PrivacyEngine(keep_unsharded="auto", **kw)
+        gsm, opt, crit, _ = make_private(
+            engine, model, (x, y), B_LOCAL * world, C, "ghost_fsdp", lr=1.0
+        )
+        lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
+        crit(gsm(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+        after = _full(model)
+        out[name] = {
+            "keep": engine.keep_unsharded,
+            "one": engine.one_backward,
+            "vs_loop": max((before[n] - after[n] - ref[n]).abs().max().item() for n in ref),
+        }
     return out
