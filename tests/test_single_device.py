@@ -20,8 +20,8 @@ warnings.filterwarnings("ignore")
 B = 8
 
 
-@pytest.fixture()
-def setup():
+def toy_setup():
+    """A seeded ToyNet, two batches of data and a clipping bound that clips some samples."""
     torch.manual_seed(0)
     base = ToyNet()
     g = torch.Generator().manual_seed(3)
@@ -30,6 +30,11 @@ def setup():
     C = norms.median().item()
     assert 0 < (norms > C).sum() < B
     return base, x, y, C
+
+
+@pytest.fixture()
+def setup():
+    return toy_setup()
 
 
 def _train(engine, base, x, y, C, steps=2, combine=None, **kw):

@@ -16,9 +16,14 @@ from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.distributed import NullController
 from tests.models import Tripwire
 from tests.private import make_private
-from tests.test_single_device import B, _diff, _loop, setup  # noqa: F401 - fixture
+from tests.test_single_device import B, _diff, _loop, toy_setup
 
 warnings.filterwarnings("ignore")
+
+
+@pytest.fixture()
+def setup():
+    return toy_setup()
 
 
 class BrokenController(NullController):
