@@ -19,6 +19,8 @@ differs); ``fast_norms=False`` in :class:`~opacus_fsdp_sync.options.GhostOptions
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -115,8 +117,8 @@ def make_linear_norm_sampler(cache: GramCache, policy=None):
             policy.stash[id(layer)] = psgs
             return {getattr(layer, n): norm for n, norm in per_sample_norms(psgs).items()}
         if a.dim() != 3:  # one token per sample (or flattened): the rank-one formula
-            a2 = a.reshape(a.shape[0], -1, a.shape[-1])
-            g2 = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
+            a2 = a.reshape(a.shape[0], math.prod(a.shape[1:-1]), a.shape[-1])
+            g2 = backprops.reshape(a2.shape[0], a2.shape[1], backprops.shape[-1])
             if a2.shape[1] == 1:
                 g_sq = widen(g2).pow(2).sum((1, 2))
                 if layer.weight.requires_grad:

@@ -23,6 +23,7 @@ from .distributed.layout import check_layout, is_distributed, world_size
 from .grad_sample import ghost_class
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
+from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
 from .tied import find_shared_parameters
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -48,10 +49,24 @@ class _CallPlan:
 
     optimizer: str | None = None
     """None (Opacus's), ``"shared_noise"``, ``"fsdp1"`` or ``"fsdp2"``."""
+    ghost: bool = False
+    """The call is in a ghost mode (the calls this engine changes)."""
     missed_distributed: bool = False
     """The layout is distributed but Opacus, judging by the wrapper's type, counts it as one
     process (FSDP1; FSDP2 without a root unit or below a plain wrapper): the data loader and the
     expected batch per rank must be the distributed ones."""
+
+
+def _count_steps_in(optimizer, sampler: SharedPoissonSampler) -> None:
+    """Advances ``sampler`` on every logical step the DP optimizer takes (after accounting)."""
+    account = optimizer.step_hook
+
+    def hook(opt) -> None:
+        if account is not None:
+            account(opt)
+        sampler.step_completed()
+
+    optimizer.step_hook = hook
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -82,6 +97,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.keep_unsharded: bool = False
         self._one_backward_planned = False
         self._plan = _CallPlan()
+        #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
+        self.sampler: SharedPoissonSampler | None = None
 
     @property
     def sync_optimization(self) -> bool:
@@ -160,10 +177,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._plan = self._plan_call(kwargs, opts)
+            #: The options the last model made private runs with (engine's and the call's).
+            self.last_options = opts
             try:
-                return super().make_private(**kwargs)
+                made = super().make_private(**kwargs)
             finally:
                 self._plan = _CallPlan()
+        sampler = getattr(made[-1], "batch_sampler", None)
+        if isinstance(sampler, SharedPoissonSampler):
+            _count_steps_in(made[1], sampler)
+        self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
+        return made
 
     def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
         """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
@@ -174,7 +198,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         plan = self._plan_optimizer(root, opts, kwargs["grad_sample_mode"])  # API refusals
         check_layout(_unwrap(module), root)
         missed = is_distributed(root) and not isinstance(module, _OPACUS_DISTRIBUTED)
-        return dataclasses.replace(plan, missed_distributed=missed)
+        return dataclasses.replace(plan, ghost=True, missed_distributed=missed)
 
     def _plan_optimizer(self, root, opts: GhostOptions, mode: str) -> _CallPlan:
         if root.api == FSDP1:
@@ -213,10 +237,40 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(overrides):
             return super().make_private_with_epsilon(**kwargs)
 
-    def _prepare_data_loader(self, data_loader, *, distributed, **kwargs):
-        """Opacus's data loader, distributed wherever the layout is (see :mod:`.layout`)."""
+    def _prepare_data_loader(
+        self, data_loader, *, poisson_sampling, distributed, batch_first=True, rand_on_empty=False
+    ):
+        """The data loader: distributed wherever the layout is (see :mod:`.layout`).
+
+        Ghost modes on several ranks with Poisson sampling get the shared draw
+        (:mod:`.sampling`): every rank the same logical and physical steps, the global batch a
+        single-process Poisson sample. Elsewhere Opacus's loader. The log says which.
+        """
         distributed = distributed or self._plan.missed_distributed
-        return super()._prepare_data_loader(data_loader, distributed=distributed, **kwargs)
+        if poisson_sampling and distributed and self._plan.ghost:
+            if self.dataset is None:
+                self.dataset = data_loader.dataset
+            return SharedPoissonDataLoader.from_data_loader(
+                data_loader,
+                secure=self.secure_mode,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
+            )
+        if self._plan.ghost:
+            logger.info(
+                "[Ghost] sampling: %s",
+                "Opacus's Poisson sampler (one process)"
+                if poisson_sampling
+                else "fixed batches (poisson_sampling=False): the reported epsilon assumes "
+                "Poisson sampling and does not hold for this run",
+            )
+        return super()._prepare_data_loader(
+            data_loader,
+            poisson_sampling=poisson_sampling,
+            distributed=distributed,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or ours where the distributed API already reduced gradients.

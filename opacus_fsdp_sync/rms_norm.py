@@ -9,6 +9,8 @@ weight gradient is ``sum_t dy_t * xhat_t``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)
     xhat = h.to(x.dtype)
     dy = backprops.to(xhat.dtype)
-    g = (dy * xhat).reshape(dy.shape[0], -1, dy.shape[-1]).sum(dim=1)
+    g = (dy * xhat).reshape(dy.shape[0], math.prod(dy.shape[1:-1]), dy.shape[-1]).sum(dim=1)
     return {layer.weight: g.float().norm(2, dim=-1)}
 
 

@@ -2,12 +2,14 @@
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import BACKENDS, STRATEGIES, WRAP_POLICIES, ShardingConfig
+from .dp_state import CheckpointMismatchError
 from .fsdp2 import build_mesh
 from .shard import shard_model
 from .wrap import find_blocks, units
 
 __all__ = [
     "BACKENDS",
+    "CheckpointMismatchError",
     "STRATEGIES",
     "WRAP_POLICIES",
     "ShardingConfig",

@@ -1,15 +1,20 @@
 """Sharded checkpoints of model and optimizer through ``torch.distributed.checkpoint``.
 
 Every rank writes its own shards; loading re-shards onto any world size. Opacus wrappers are
-looked through: pass the GradSampleModule or the model, the DPOptimizer or the optimizer.
+looked through: pass the GradSampleModule or the model, the DPOptimizer or the optimizer. Given
+the engine too, the checkpoint also carries the DP state (accountant, noise generators, sampler,
+settings; see :mod:`.dp_state`), so that a resumed run continues as if it had never stopped.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
 from ..distributed.detect import _unwrap
+from . import dp_state as state_module
 
 
 def _targets(model, optimizer):
@@ -18,8 +23,23 @@ def _targets(model, optimizer):
     return module, optim
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-    """Saves model (and optimizer) state under directory ``path``; every rank calls it."""
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    engine=None,
+):
+    """Saves model (and optimizer) state under directory ``path``; every rank calls it.
+
+    Args:
+        path: Checkpoint directory (created).
+        model: The model, or Opacus's wrapper of it.
+        optimizer: The (DP) optimizer, or None for the model only.
+        engine: Our ``PrivacyEngine``: also saves each rank's DP state (needs ``optimizer``, the
+            DP optimizer ``make_private`` returned). The state holds the sampler's secret seed
+            and the noise generators' states: keep such checkpoints as private as the data.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -30,10 +50,36 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         msd, osd = get_state_dict(module, optim)
         state = {"model": msd, "optim": osd}
     dcp.save(state, checkpoint_id=path)
+    if engine is not None:
+        if optimizer is None:
+            raise ValueError("save_checkpoint(engine=...) needs the DP optimizer too")
+        os.makedirs(path, exist_ok=True)
+        dp = state_module.dp_state(engine, optimizer)
+        torch.save(dp, state_module.dp_state_path(path, dp["rank"]))
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-    """Loads what :func:`save_checkpoint` wrote, on any world size; every rank calls it."""
+def load_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    engine=None,
+    fresh_noise: bool = False,
+):
+    """Loads what :func:`save_checkpoint` wrote, on any world size; every rank calls it.
+
+    Args:
+        path: Checkpoint directory.
+        model: The model, or Opacus's wrapper of it.
+        optimizer: The (DP) optimizer, or None for the model only.
+        engine: Our ``PrivacyEngine`` after ``make_private`` with the saved run's settings: also
+            restores the DP state (accountant, noise generators, sampler).
+        fresh_noise: On another world size, restore accountant and sampler and let the noise
+            generators keep fresh seeds instead of refusing (see :mod:`.dp_state`).
+
+    Raises:
+        CheckpointMismatchError: the DP state is missing or belongs to another configuration.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -43,6 +89,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     )
 
     module, optim = _targets(model, optimizer)
+    dp = None if engine is None else _read_dp_state(path, optimizer)
     if optim is None:
         state = {"model": get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=path)
@@ -52,3 +99,24 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(module, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if dp is not None:
+        state_module.restore_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
+
+
+def _read_dp_state(path: str, optimizer) -> dict:
+    """This rank's saved DP state (rank 0's when the world size changed)."""
+    if optimizer is None:
+        raise ValueError("load_checkpoint(engine=...) needs the DP optimizer too")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    first = state_module.dp_state_path(path, 0)
+    if not os.path.exists(first):
+        raise state_module.CheckpointMismatchError(
+            f"{path} holds no DP state (no {os.path.basename(first)}): it was saved without "
+            "engine=..., so the accountant, noise and sampler cannot be restored. Resume from a "
+            "checkpoint saved with save_checkpoint(path, model, optimizer, engine=engine)."
+        )
+    dp = torch.load(first, weights_only=False)
+    own = state_module.dp_state_path(path, rank)
+    if rank != 0 and os.path.exists(own):
+        dp = torch.load(own, weights_only=False)
+    return dp

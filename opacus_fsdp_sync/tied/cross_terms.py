@@ -16,6 +16,8 @@ Positions holding an embedding's ``padding_idx`` get no gradient in autograd and
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -25,12 +27,12 @@ SUPPORTED = (nn.Linear, nn.Embedding)
 
 def as_3d(t: torch.Tensor) -> torch.Tensor:
     """``(N, ..., F)`` -> ``(N, T, F)`` in fp32 (a 2-D input gets ``T = 1``)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1]).float()
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1]).float()
 
 
 def token_ids(x: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids (N, S) long, mask (N, S) float)``: mask is 0 at ``padding_idx`` positions."""
-    ids = x.reshape(x.shape[0], -1).long()
+    ids = x.reshape(x.shape[0], math.prod(x.shape[1:])).long()
     mask = torch.ones_like(ids, dtype=torch.float32)
     if padding_idx is not None:
         mask = (ids != padding_idx).float()

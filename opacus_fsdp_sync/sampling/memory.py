@@ -1,0 +1,79 @@
+"""Physical batches under the shared Poisson draw: the same count on every rank.
+
+Opacus's ``BatchMemoryManager`` splits each rank's own logical batch into
+``ceil(local size / max)`` physical batches, so ranks with different local sizes run different
+numbers of forward/backward passes and a collective waits forever. Under
+:class:`~.poisson.SharedPoissonSampler` every rank knows the global count, hence the largest
+share, hence one count for all ranks (no collective); a rank whose share runs out first takes
+part in the remaining physical batches with an empty batch (a zero contribution).
+
+``BatchMemoryManager`` is used unchanged: importing this package routes Opacus's
+``wrap_data_loader`` here for loaders over the shared sampler and leaves every other loader to
+Opacus.
+"""
+
+from __future__ import annotations
+
+import math
+
+import opacus.utils.batch_memory_manager as bmm
+from torch.utils.data import DataLoader, Sampler
+
+from .poisson import SharedPoissonSampler, physical_batches
+
+_opacus_wrap_data_loader = bmm.wrap_data_loader
+
+
+class EqualCountSplittingSampler(Sampler[list[int]]):
+    """Splits each logical step's local share into the count every rank agrees on.
+
+    Args:
+        sampler: The shared Poisson sampler.
+        max_batch_size: Largest physical batch.
+        optimizer: The DP optimizer, told which physical batch ends the logical step.
+    """
+
+    def __init__(self, *, sampler: SharedPoissonSampler, max_batch_size: int, optimizer):
+        if max_batch_size <= 0:
+            raise ValueError(f"max_physical_batch_size must be positive, got {max_batch_size}")
+        self.sampler, self.max_batch_size, self.optimizer = sampler, max_batch_size, optimizer
+
+    def __iter__(self):
+        world, m = self.sampler.world_size, self.max_batch_size
+        for local, total in self.sampler.draws():
+            n = physical_batches(total, world, m)
+            for i in range(n):
+                self.optimizer.signal_skip_step(do_skip=i < n - 1)
+                yield local[i * m : (i + 1) * m]
+
+    def __len__(self) -> int:
+        expected = self.sampler.sample_rate * self.sampler.num_samples / self.sampler.world_size
+        return len(self.sampler) * max(1, math.ceil(expected / self.max_batch_size))
+
+
+def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer) -> DataLoader:
+    """Opacus's ``wrap_data_loader``, with equal physical-batch counts for the shared sampler."""
+    sampler = data_loader.batch_sampler
+    if not isinstance(sampler, SharedPoissonSampler):
+        return _opacus_wrap_data_loader(
+            data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer
+        )
+    return DataLoader(
+        dataset=data_loader.dataset,
+        batch_sampler=EqualCountSplittingSampler(
+            sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer
+        ),
+        num_workers=data_loader.num_workers,
+        collate_fn=data_loader.collate_fn,
+        pin_memory=data_loader.pin_memory,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        prefetch_factor=data_loader.prefetch_factor,
+        persistent_workers=data_loader.persistent_workers,
+    )
+
+
+def install() -> None:
+    """Routes Opacus's ``BatchMemoryManager`` through :func:`wrap_data_loader` (idempotent)."""
+    bmm.wrap_data_loader = wrap_data_loader

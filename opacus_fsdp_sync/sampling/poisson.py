@@ -1,0 +1,251 @@
+"""Poisson sampling shared by every rank: one global draw per logical step, split evenly.
+
+Opacus's distributed sampler draws each rank's examples independently and skips empty draws, so
+ranks can run different numbers of steps and a collective waits forever. Here every rank draws
+the *same* global Poisson sample (each example joins with probability ``q``, independently),
+from a seed that rank 0 broadcasts once, and takes an even share of it (local sizes differ by at
+most one). The global batch is exactly a single-process Poisson sample, so the single-process
+accounting holds; an empty draw is still a step.
+
+Step ``t``'s draw depends only on the seed and ``t`` (a generator seeded from both), so the
+sampler's state is the seed and the number of completed logical steps: a checkpoint restores it
+exactly, whatever a data loader's workers had prefetched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = 2**64 - 1
+
+
+def _mix(seed: int, step: int) -> int:
+    """SplitMix64 of (seed, step): well-spread, distinct generator seeds for distinct steps."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def shared_seed(*, secure: bool, device: torch.device | None = None) -> int:
+    """A seed drawn on rank 0 and broadcast to every rank (never logged).
+
+    Args:
+        secure: Draw it from the OS CSPRNG (``secrets``) instead of torch's default generator.
+        device: Where the broadcast tensor lives (NCCL needs a CUDA tensor).
+    """
+    seed = secrets.randbits(63) if secure else int(torch.randint(0, 2**63 - 1, ()).item())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if (dist.get_backend() == "nccl")
+                else torch.device("cpu")
+            )
+        t = torch.tensor([seed], dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        seed = int(t.item())
+    return seed
+
+
+class SharedPoissonSampler(Sampler[list[int]]):
+    """Yields this rank's share of one global Poisson sample per logical step.
+
+    Args:
+        num_samples: Size of the dataset (N).
+        sample_rate: Probability ``q`` with which each example joins each logical batch.
+        steps: Logical steps per epoch (Opacus: the original loader's length).
+        seed: The same on every rank (see :func:`shared_seed`).
+        rank: This rank's index.
+        world_size: Number of ranks sharing the draw.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        sample_rate: float,
+        steps: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.num_samples, self.sample_rate, self.steps = num_samples, sample_rate, steps
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        #: Logical steps completed (advanced by the DP optimizer's step, see
+        #: :meth:`step_completed`); the next iteration starts there.
+        self.completed = 0
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def global_draw(self, step: int) -> torch.Tensor:
+        """The indices of the global Poisson sample of logical step ``step`` (0-based, global)."""
+        g = torch.Generator().manual_seed(_mix(self.seed, step))
+        mask = torch.rand(self.num_samples, generator=g) < self.sample_rate
+        return mask.nonzero().flatten()
+
+    def local_share(self, selected: torch.Tensor) -> list[int]:
+        """This rank's even share of a global selection (sizes differ by at most one)."""
+        return selected.tensor_split(self.world_size)[self.rank].tolist()
+
+    def draws(self) -> Iterator[tuple[list[int], int]]:
+        """``(local indices, global count)`` for the rest of the current epoch."""
+        start = self.completed
+        first = start % self.steps
+        for i in range(self.steps - first):
+            selected = self.global_draw(start + i)
+            yield self.local_share(selected), int(selected.numel())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for local, _ in self.draws():
+            yield local
+
+    def step_completed(self) -> None:
+        """Called once per logical step that the DP optimizer took."""
+        self.completed += 1
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self.completed // self.steps
+
+    def state_dict(self) -> dict:
+        """What restores this sampler exactly (the seed is secret: keep checkpoints private)."""
+        return {
+            "seed": self.seed,
+            "completed": self.completed,
+            "num_samples": self.num_samples,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`'s output; the world size may differ (the draw is global).
+
+        Raises:
+            ValueError: if the checkpoint was taken with another dataset size, sample rate or
+                epoch length.
+        """
+        for key in ("num_samples", "sample_rate", "steps"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"The checkpoint's sampler has {key}={state[key]}, this run "
+                    f"{getattr(self, key)}: it was taken with another dataset or batch size. "
+                    "Resume with the same data loader (dataset and batch_size) as the run that "
+                    "saved it."
+                )
+        self.seed, self.completed = int(state["seed"]), int(state["completed"])
+
+
+class SharedPoissonDataLoader(DataLoader):
+    """A data loader over :class:`SharedPoissonSampler` that collates empty batches.
+
+    Built by :meth:`from_data_loader` from the user's loader, as Opacus's ``DPDataLoader`` is;
+    ``len()`` is the number of logical steps per epoch, so ``1 / len`` is the sample rate.
+    """
+
+    def __init__(self, dataset, *, sampler: SharedPoissonSampler, collate_fn, **kwargs):
+        super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn, **kwargs)
+        self.sample_rate = sampler.sample_rate
+        self.distributed = sampler.world_size > 1
+
+    @classmethod
+    def from_data_loader(
+        cls,
+        data_loader: DataLoader,
+        *,
+        secure: bool,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+    ) -> SharedPoissonDataLoader:
+        """The shared-draw loader for ``data_loader``'s dataset and expected batch size.
+
+        Collective: every rank must call it (rank 0's seed is broadcast).
+
+        Raises:
+            ValueError: for an iterable dataset, one without ``len``, or an empty one.
+        """
+        dataset = data_loader.dataset
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "Poisson sampling needs a map-style dataset with len() and integer indexing; "
+                f"got {type(dataset).__name__}. Use a map-style Dataset, or pass "
+                "poisson_sampling=False (the reported epsilon then does not hold)."
+            )
+        n = len(dataset)
+        steps = len(data_loader)
+        if n == 0 or steps == 0:
+            raise ValueError("Poisson sampling over an empty dataset or loader")
+        try:
+            first = dataset[0]
+        except Exception as err:  # noqa: BLE001 - re-raised with what to do
+            raise ValueError(
+                f"Poisson sampling indexes the dataset by integers; {type(dataset).__name__}[0] "
+                f"raised {type(err).__name__}: {err}"
+            ) from err
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        sampler = SharedPoissonSampler(
+            num_samples=n,
+            sample_rate=1 / steps,
+            steps=steps,
+            seed=shared_seed(secure=secure),
+            rank=rank,
+            world_size=world,
+        )
+        items = first if isinstance(first, (tuple, list)) else (first,)
+        collate = wrap_collate_with_empty(
+            collate_fn=data_loader.collate_fn or default_collate,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+            sample_empty_shapes=[(0, *shape_safe(x)) for x in items],
+            dtypes=[dtype_safe(x) for x in items],
+        )
+        if data_loader.drop_last:
+            logger.warning("Ignoring drop_last: Poisson batches have no fixed size")
+        logger.info(
+            "[Ghost] sampling: shared Poisson draw over %d examples, q = %.6g, %d steps per "
+            "epoch, split evenly across %d rank(s)",
+            n,
+            sampler.sample_rate,
+            steps,
+            world,
+        )
+        return cls(
+            dataset,
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory,
+            timeout=data_loader.timeout,
+            worker_init_fn=data_loader.worker_init_fn,
+            multiprocessing_context=data_loader.multiprocessing_context,
+            prefetch_factor=data_loader.prefetch_factor,
+            persistent_workers=data_loader.persistent_workers,
+        )
+
+
+def physical_batches(global_count: int, world_size: int, max_batch_size: int) -> int:
+    """Physical batches per rank for one logical step: the same on every rank, no collective."""
+    largest_share = math.ceil(global_count / world_size)
+    return max(1, math.ceil(largest_share / max_batch_size))
