@@ -15,12 +15,14 @@ from tests.workers_layouts import BUILD, _base
 warnings.filterwarnings("ignore")
 #: Tiny expected batches (empty local and global draws are common) and larger ones with the
 #: memory manager's physical batches.
-CONFIGS = {"tiny": dict(n=40, batch=2, physical=None), "bmm": dict(n=64, batch=16, physical=3)}
+CONFIGS = {"tiny": dict(n=20, batch=2, physical=None), "bmm": dict(n=24, batch=8, physical=2)}
 
 
 def _dataset(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(2)
-    return TensorDataset(3 * torch.randn(n, 32, generator=g), torch.randint(0, 4, (n,), generator=g))
+    return TensorDataset(
+        3 * torch.randn(n, 32, generator=g), torch.randint(0, 4, (n,), generator=g)
+    )
 
 
 def _private(layout, world, data, batch, seed, noise=0.0, engine=None):
@@ -49,8 +51,9 @@ def _train(gsm, opt, crit, loader, physical, epochs=1, record=None):
             batches = loader
             ctx = None
         else:
-            ctx = BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical,
-                                     optimizer=opt)
+            ctx = BatchMemoryManager(
+                data_loader=loader, max_physical_batch_size=physical, optimizer=opt
+            )
             batches = ctx.__enter__()
         for xb, yb in batches:
             sizes.append(len(xb))
@@ -70,15 +73,79 @@ def no_desync(rank: int, world: int, layout: str, config: str, seeds: list[int])
     cfg = CONFIGS[config]
     data = _dataset(cfg["n"])
     out = {}
+    engine, _, gsm, opt, crit, loader = _private(layout, world, data, cfg["batch"], 0)
+    sampler = engine.sampler
     for seed in seeds:
-        engine, _, gsm, opt, crit, loader = _private(layout, world, data, cfg["batch"], seed)
-        sampler = engine.sampler
+        sampler.seed, sampler.completed = seed, 0  # a fresh shared draw sequence per seed
         logical, physical, sizes = _train(gsm, opt, crit, loader, cfg["physical"])
         globals_ = [int(sampler.global_draw(t).numel()) for t in range(len(sampler))]
-        out[seed] = dict(logical=logical, physical=physical, sizes=sizes, globals=globals_,
-                         completed=sampler.completed, steps=len(sampler),
-                         history=list(engine.accountant.history))
+        out[seed] = dict(
+            logical=logical,
+            physical=physical,
+            sizes=sizes,
+            globals=globals_,
+            completed=sampler.completed,
+            steps=len(sampler),
+        )
     return out
+
+
+class _NoOptimizer:
+    def signal_skip_step(self, do_skip=True):
+        pass
+
+
+def opacus_counts(rank: int, world: int, config: str, seeds: list[int]) -> dict:
+    """The same count harness over Opacus's own distributed sampler and memory manager."""
+    from opacus.data_loader import DPDataLoader
+    from opacus.utils.batch_memory_manager import BatchSplittingSampler
+
+    cfg = CONFIGS[config]
+    data = _dataset(cfg["n"])
+    out = {}
+    for seed in seeds:
+        # Seeded per rank (identically seeded ranks would draw the same pattern of sizes over
+        # their own shards: correlated samples, and the same counts by accident).
+        torch.manual_seed(1000 * seed + rank)
+        loader = DPDataLoader.from_data_loader(
+            DataLoader(data, batch_size=cfg["batch"]), distributed=True
+        )
+        sampler = loader.batch_sampler
+        if cfg["physical"] is not None:
+            sampler = BatchSplittingSampler(
+                sampler=sampler, max_batch_size=cfg["physical"], optimizer=_NoOptimizer()
+            )
+        out[seed] = sum(1 for _ in sampler)
+    return out
+
+
+def exact_steps(rank: int, world: int, layout: str, steps: int) -> dict:
+    """Noise 0, Poisson with physical batches of 1: parameters after ``steps`` logical steps,
+    and the global selections they used (for the clip-each-sample loop)."""
+    data = _dataset(CONFIGS["tiny"]["n"])
+    engine, model, gsm, opt, crit, loader = _private(layout, world, data, 2, 3)
+    selections, local_sizes = [], []
+    done = 0
+    while done < steps:  # over epochs
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=opt) as b:
+            for xb, yb in b:
+                if len(local_sizes) <= done:
+                    local_sizes.append(0)
+                    selections.append(engine.sampler.global_draw(done).tolist())
+                local_sizes[done] += len(xb)
+                crit(gsm(xb), yb).backward()
+                skipped = opt._check_skip_next_step(pop_next=False)
+                opt.step()
+                opt.zero_grad()
+                done += not skipped
+                if done == steps:
+                    break
+    return {
+        "params": _full_named(model),
+        "selections": selections,
+        "local_sizes": local_sizes,
+        "expected_batch": engine.sampler.sample_rate * engine.sampler.num_samples,
+    }
 
 
 def _full_named(model):
@@ -89,22 +156,25 @@ def _full_named(model):
 
 def resume(rank: int, world: int, layout: str, path: str, phase: str, k: int, total: int) -> dict:
     """``phase="straight"``: ``total`` steps; ``"first"``: ``k`` steps then save;
-    ``"second"``: fresh processes, load, the remaining ``total - k`` steps. Noise on."""
+    ``"second"``: fresh processes, load, the remaining ``total - k`` steps; ``"no_dp_state"``:
+    the same, loading model and optimizer only. Noise on."""
     from opacus_fsdp_sync.sharding import load_checkpoint, save_checkpoint
 
     cfg = CONFIGS["bmm"]
     data = _dataset(cfg["n"])
-    seed = 11 if phase != "second" else 999  # the resumed run must not depend on its own seeds
+    resumed = phase in ("second", "no_dp_state")
+    seed = 999 if resumed else 11  # a resumed run must not depend on its own seeds
     engine, model, gsm, opt, crit, loader = _private(
         layout, world, data, cfg["batch"], seed, noise=1.0
     )
-    if phase == "second":
-        load_checkpoint(path, gsm, opt, engine=engine)
-    steps = k if phase == "first" else total - k if phase == "second" else total
+    if resumed:
+        load_checkpoint(path, gsm, opt, engine=engine if phase == "second" else None)
+    steps = k if phase == "first" else total - k if resumed else total
     done = 0
     while done < steps:
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=cfg["physical"],
-                                optimizer=opt) as batches:
+        with BatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=cfg["physical"], optimizer=opt
+        ) as batches:
             for xb, yb in batches:
                 crit(gsm(xb), yb).backward()
                 skipped = opt._check_skip_next_step(pop_next=False)
@@ -115,5 +185,30 @@ def resume(rank: int, world: int, layout: str, path: str, phase: str, k: int, to
                     break
     if phase == "first":
         save_checkpoint(path, gsm, opt, engine=engine)
-    return {"params": _full_named(model), "epsilon": engine.get_epsilon(1e-5),
-            "completed": engine.sampler.completed}
+    return {
+        "params": _full_named(model),
+        "epsilon": engine.get_epsilon(1e-5),
+        "completed": engine.sampler.completed,
+    }
+
+
+def bad_checkpoints(rank: int, world: int, path: str) -> dict:
+    """Loading a checkpoint into another configuration: the errors users see."""
+    from opacus_fsdp_sync.sharding import load_checkpoint
+
+    cfg = CONFIGS["bmm"]
+    data = _dataset(cfg["n"])
+    out = {}
+    engine, model, gsm, opt, crit, loader = _private(
+        "fsdp2_root", world, data, cfg["batch"], 1, noise=0.5
+    )
+    try:
+        load_checkpoint(path, gsm, opt, engine=engine)
+    except Exception as err:  # noqa: BLE001
+        out["noise"] = f"{type(err).__name__}: {err}"
+    engine, model, gsm, opt, crit, loader = _private("fsdp2_root", world, data, 4, 1, noise=1.0)
+    try:
+        load_checkpoint(path, gsm, opt, engine=engine)
+    except Exception as err:  # noqa: BLE001
+        out["batch"] = f"{type(err).__name__}: {err}"
+    return out

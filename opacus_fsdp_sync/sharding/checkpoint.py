@@ -90,6 +90,8 @@ def load_checkpoint(
 
     module, optim = _targets(model, optimizer)
     dp = None if engine is None else _read_dp_state(path, optimizer)
+    if dp is not None:  # refused before anything is loaded
+        state_module.check_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
     if optim is None:
         state = {"model": get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=path)

@@ -85,19 +85,10 @@ def dp_state(engine, optimizer) -> dict:
     }
 
 
-def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False) -> None:
-    """Restores :func:`dp_state`'s output on this rank.
+def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False) -> None:
+    """Refuses a DP state that :func:`restore_dp_state` could not restore, changing nothing.
 
-    Args:
-        state: What :func:`dp_state` returned on this rank when the checkpoint was saved.
-        engine: The engine of the resumed run, after ``make_private`` with the same settings.
-        optimizer: Its DP optimizer.
-        fresh_noise: On a different world size, keep the accountant and sampler and leave the
-            noise generators freshly seeded instead of refusing.
-
-    Raises:
-        CheckpointMismatchError: for a checkpoint of another configuration (names the setting),
-            another world size without ``fresh_noise``, or another format version.
+    Args and raises: as :func:`restore_dp_state`.
     """
     if state.get("version") != DP_STATE_VERSION:
         raise CheckpointMismatchError(
@@ -112,22 +103,48 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
                 "a checkpoint resumes only the configuration that saved it. Make the engine "
                 "and make_private arguments equal to the saved run's."
             )
-    rank, world = _rank_world()
-    same_world = state["world_size"] == world
-    if not same_world and not fresh_noise:
+    _, world = _rank_world()
+    if state["world_size"] != world and not fresh_noise:
         raise CheckpointMismatchError(
             f"The checkpoint's DP state was saved on {state['world_size']} rank(s), this run has "
             f"{world}: the per-rank noise streams cannot continue. Resume on "
             f"{state['world_size']} rank(s) to continue exactly, or pass fresh_noise=True to "
             "keep the accountant and sampler and draw the noise from fresh seeds."
         )
-    engine.accountant.load_state_dict(state["accountant"])
-    sampler = getattr(engine, "sampler", None)
-    if (sampler is None) != (state["sampler"] is None):
+    if (getattr(engine, "sampler", None) is None) != (state["sampler"] is None):
         raise CheckpointMismatchError(
             "The checkpoint and this run disagree on the shared Poisson sampler (one has it, the "
             "other does not): resume with the same poisson_sampling and world layout."
         )
+    sampler = getattr(engine, "sampler", None)
+    for key in ("num_samples", "sample_rate", "steps") if sampler is not None else ():
+        if state["sampler"][key] != getattr(sampler, key):
+            raise CheckpointMismatchError(
+                f"The checkpoint's sampler has {key}={state['sampler'][key]}, this run "
+                f"{getattr(sampler, key)}: resume with the data loader (dataset and batch_size) "
+                "of the run that saved it."
+            )
+
+
+def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False) -> None:
+    """Restores :func:`dp_state`'s output on this rank.
+
+    Args:
+        state: What :func:`dp_state` returned on this rank when the checkpoint was saved.
+        engine: The engine of the resumed run, after ``make_private`` with the same settings.
+        optimizer: Its DP optimizer.
+        fresh_noise: On a different world size, keep the accountant and sampler and leave the
+            noise generators freshly seeded instead of refusing.
+
+    Raises:
+        CheckpointMismatchError: for a checkpoint of another configuration (names the setting),
+            another world size without ``fresh_noise``, or another format version.
+    """
+    check_dp_state(state, engine, optimizer, fresh_noise=fresh_noise)
+    _, world = _rank_world()
+    same_world = state["world_size"] == world
+    engine.accountant.load_state_dict(state["accountant"])
+    sampler = getattr(engine, "sampler", None)
     if sampler is not None:
         sampler.load_state_dict(state["sampler"])
     if not same_world:
