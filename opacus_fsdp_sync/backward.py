@@ -331,14 +331,23 @@ class SyncDPLoss(DPLossFastGradientClipping):
     def __init__(self, module, optimizer, criterion, loss_reduction="mean", *, context=None):
         super().__init__(module, optimizer, criterion, loss_reduction)
         self.context = context if context is not None else GhostStepContext()
+        #: Set by the engine under Poisson sampling (:mod:`.empty_batch`): tells when the last
+        #: forward ran on a stand-in for an empty batch.
+        self.stand_in = None
 
     def __call__(self, *args, shape=None, **kwargs) -> SyncDPTensor:
-        """Computes the per-sample loss exactly as upstream and wraps it for our backward."""
-        upstream = super().__call__(*args, shape=shape, **kwargs)
+        """Computes the per-sample loss exactly as upstream and wraps it for our backward.
+
+        After a forward on an empty batch's stand-in, the loss is the stand-in's output times
+        zero (one sample, zero gradient), whatever the (empty) targets.
+        """
+        if self.stand_in is not None and self.stand_in.take():
+            pred = args[0] if args else next(iter(kwargs.values()))
+            loss_per_sample = (pred.float().sum() * 0.0).reshape(1)
+            reduction = self.loss_reduction
+        else:
+            upstream = super().__call__(*args, shape=shape, **kwargs)
+            loss_per_sample, reduction = upstream.loss_per_sample, upstream.loss_reduction
         return SyncDPTensor(
-            self.module,
-            self.optimizer,
-            upstream.loss_per_sample,
-            upstream.loss_reduction,
-            context=self.context,
+            self.module, self.optimizer, loss_per_sample, reduction, context=self.context
         )

@@ -20,6 +20,7 @@ from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import UnsupportedConfigurationError, make_controller
 from .distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
 from .distributed.layout import check_layout, is_distributed, world_size
+from .empty_batch import EmptyBatchStandIn
 from .grad_sample import ghost_class
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
@@ -186,6 +187,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         sampler = getattr(made[-1], "batch_sampler", None)
         if isinstance(sampler, SharedPoissonSampler):
             _count_steps_in(made[1], sampler)
+        if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
+            made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
         return made
 

@@ -151,3 +151,36 @@ def test_iterable_dataset_is_refused_with_what_to_do():
 
     with pytest.raises(ValueError, match="map-style Dataset"):
         SharedPoissonDataLoader.from_data_loader(DataLoader(Stream(), batch_size=1), secure=False)
+
+
+@pytest.mark.distributed
+def test_empty_ranks_of_a_llama_contribute_exactly_zero():
+    """Hugging Face's Llama cannot run a zero-size batch: empty ranks run a zero-weighted
+    stand-in, and the result still equals the loop over the global selections."""
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from tests.workers_tied import llama_sample_loss
+
+    steps = 6
+    results = run_ranks(wp.llama_empty_ranks, 2, steps, timeout=300)
+    r0 = results[0]
+    sizes = [len(s) for s in r0["selections"]]
+    assert 0 in sizes and 1 in sizes, sizes  # an empty draw, and a rank left without examples
+    assert all(r["selections"] == r0["selections"] for r in results)
+    assert any(0 in (r["sizes"][t] for r in results) and sizes[t] > 0 for t in range(steps))
+    torch.manual_seed(0)
+    ref = build_llama(LlamaSpec(preset="tiny"))
+    clipped = False
+    for sel in r0["selections"]:
+        if not sel:
+            continue
+        x = r0["ids"][sel]
+        grads, norms = per_sample_clipped_grads(ref, llama_sample_loss, x, x, 0.05, "sum")
+        clipped |= bool((norms > 0.05).any())
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.sub_(0.5 * grads[n] / r0["expected_batch"])
+    assert clipped
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    for r in results:
+        diff = max((r["params"][n] - want[n]).abs().max().item() for n in want)
+        assert diff <= 1e-6, diff

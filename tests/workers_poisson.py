@@ -212,3 +212,45 @@ def bad_checkpoints(rank: int, world: int, path: str) -> dict:
     except Exception as err:  # noqa: BLE001
         out["batch"] = f"{type(err).__name__}: {err}"
     return out
+
+
+def llama_empty_ranks(rank: int, world: int, steps: int) -> dict:
+    """A tiny FSDP2 Llama (whose attention cannot run a zero-size batch) under Poisson sampling
+    with about one example per step: parameters after ``steps`` steps and the selections."""
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
+    from tests.private import lm_loss
+
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny"))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, base.config.vocab_size, (8, 6), generator=g)
+    model = shard_model(base, ShardingConfig(), device=torch.device("cpu"))
+    engine = PrivacyEngine()
+    gsm, opt, crit, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=1),
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        grad_sample_mode="ghost_fsdp",
+    )
+    engine.sampler.seed = 2
+    sizes, done = [], 0
+    while done < steps:
+        for (xb,) in loader:
+            sizes.append(len(xb))
+            lm_loss(gsm, crit, xb).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                break
+    return {
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "selections": [engine.sampler.global_draw(t).tolist() for t in range(steps)],
+        "sizes": sizes,
+        "ids": ids,
+        "expected_batch": engine.sampler.sample_rate * engine.sampler.num_samples,
+    }

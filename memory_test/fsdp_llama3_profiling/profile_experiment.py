@@ -86,6 +86,11 @@ class ExperimentConfig:
     """Noise multiplier (the cost of noise is part of a private step)."""
     lr: float = 1e-4
     """Learning rate (SGD)."""
+    poisson_sampling: bool = True
+    """Private modes draw each logical batch by the shared Poisson sampler over a synthetic
+    dataset of ``16 x batch_size x world`` sequences (the sampling the reported epsilon
+    assumes; batch sizes vary around ``batch_size``). ``--no-poisson-sampling``: the same fixed
+    batch every step, for fixed-shape benchmarking."""
     op_profile: bool = False
     """Also write ``profiles/{name}.ops.txt``, a ``torch.profiler`` table (self CPU/CUDA time
     per op) of rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace)."""
@@ -125,11 +130,31 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+#: Logical steps per epoch of the synthetic dataset that Poisson sampling draws from.
+_EPOCH_STEPS = 16
+
+
 def _batches(cfg: ExperimentConfig, vocab: int, rank: int):
     g = torch.Generator().manual_seed(1234 + rank)
     ids = torch.randint(1, vocab, (cfg.batch_size, cfg.seq_length), generator=g)
     labels = torch.randint(0, 2, (cfg.batch_size,), generator=g)
     return ids, labels
+
+
+def _dataset(cfg: ExperimentConfig, vocab: int, world: int) -> TensorDataset:
+    """The same synthetic sequences on every rank (the shared draw indexes one dataset)."""
+    g = torch.Generator().manual_seed(1234)
+    n = _EPOCH_STEPS * cfg.batch_size * world
+    return TensorDataset(
+        torch.randint(1, vocab, (n, cfg.seq_length), generator=g),
+        torch.randint(0, 2, (n,), generator=g),
+    )
+
+
+def _cycle(loader):
+    """Batches of ``loader`` over as many epochs as asked for."""
+    while True:
+        yield from loader
 
 
 def _loss(cfg, model, criterion, ids, labels, private):
@@ -181,21 +206,34 @@ def run(cfg: ExperimentConfig) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     criterion = nn.CrossEntropyLoss()
     engine = None
+    poisson = mode.private and cfg.poisson_sampling
+    batches = None
     if mode.private:
         engine = PrivacyEngine(timing=True, **mode.engine_kwargs)
-        dummy = TensorDataset(torch.zeros(cfg.batch_size * world, 1))
-        model, optimizer, criterion, _ = engine.make_private(
+        data = _dataset(cfg, vocab, world)
+        model, optimizer, criterion, loader = engine.make_private(
             module=model,
             optimizer=optimizer,
             criterion=criterion,
-            data_loader=DataLoader(dummy, batch_size=cfg.batch_size * world),
+            data_loader=DataLoader(data, batch_size=cfg.batch_size * world),
             noise_multiplier=cfg.noise_multiplier,
             max_grad_norm=cfg.max_grad_norm,
-            poisson_sampling=False,
+            poisson_sampling=poisson,
             grad_sample_mode=mode.grad_sample_mode,
         )
+        if poisson:
+            batches = _cycle(loader)
+    if rank == 0:
+        if poisson:
+            how = f"Poisson (shared draw, batch sizes vary around {cfg.batch_size} per rank)"
+        else:
+            how = f"fixed batch of {cfg.batch_size} per rank" + (
+                "" if mode.private else ", non-private"
+            )
+        logger.info("[Ghost] sampling: %s", how)
     ids, labels = _batches(cfg, vocab, rank)
     ids, labels = ids.to(device), labels.to(device)
+    batch_sizes: list[int] = []
     timer = StepTimer(enabled=True, device=device)
     counter = CollectiveCounter()
     saved = SavedTensorsMeter()
@@ -213,6 +251,9 @@ def run(cfg: ExperimentConfig) -> dict:
         if cfg.op_profile and rank == 0 and i == cfg.warmup + cfg.steps - 1:
             profiler = _op_profiler(device)
             profiler.__enter__()
+        if batches is not None:
+            ids, labels = (t.to(device) for t in next(batches))
+        batch_sizes.append(int(ids.shape[0]))
         try:
             with timer.phase("step"):
                 with phase("forward"), timer.phase("forward"):
@@ -276,6 +317,8 @@ def run(cfg: ExperimentConfig) -> dict:
         "phases_ms": {k: _summary(v) for k, v in per_phase.items()},
         "step_ms": _summary(step_ms),
         "tokens_per_s": cfg.batch_size * cfg.seq_length * world / median_s,
+        "sampling": "poisson" if poisson else "fixed",
+        "local_batch_sizes": batch_sizes,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,

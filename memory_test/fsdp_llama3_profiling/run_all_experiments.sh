@@ -4,7 +4,9 @@
 #   NPROC, MODEL, TASK, MODES, SEQ_LENGTHS, BATCH_SIZE, STEPS, WARMUP, OUT, MODEL_PATH, EXTRA_ARGS,
 #   TIE_VARIANTS ("preset", or any of "tied untied": the same model with the embedding and head
 #   tied or untied, to report the cost of the tied weight's cross term),
-#   FSDP_APIS (any of "fsdp2 fsdp1 ddp"; default fsdp2), STRATEGY, WRAP_POLICY.
+#   FSDP_APIS (any of "fsdp2 fsdp1 ddp"; default fsdp2), STRATEGY, WRAP_POLICY,
+#   POISSON (1, default: private modes draw batches by Poisson sampling, as the accounting
+#   assumes; 0: one fixed batch every step, for fixed-shape benchmarking).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python3}
@@ -27,12 +29,13 @@ WRAP_POLICY=${WRAP_POLICY:-transformer}
 OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
 MODEL_PATH=${MODEL_PATH:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+POISSON=${POISSON:-1}
 mkdir -p "$OUT/logs"
 
 total=0
 for seq in $SEQ_LENGTHS; do for tie in $TIE_VARIANTS; do for api in $FSDP_APIS; do
   for mode in $MODES; do total=$((total + 1)); done; done; done; done
-echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS apis=[$FSDP_APIS] modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP"
+echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS apis=[$FSDP_APIS] modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP sampling=$([ "$POISSON" = 0 ] && echo fixed || echo poisson)"
 echo "Results: $OUT"
 
 i=0; failed=()
@@ -53,6 +56,7 @@ for seq in $SEQ_LENGTHS; do
           --batch-size "$BATCH_SIZE" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT" --name "$name"
           --fsdp-api "$api" --strategy "$STRATEGY" --wrap-policy "$WRAP_POLICY" "${tie_args[@]}")
     [ -n "$MODEL_PATH" ] && args+=(--model-path "$MODEL_PATH")
+    [ "$POISSON" = 0 ] && args+=(--no-poisson-sampling)
     # shellcheck disable=SC2206
     [ -n "$EXTRA_ARGS" ] && args+=($EXTRA_ARGS)
     if ! "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \

@@ -5,7 +5,8 @@ Opacus's ``BatchMemoryManager`` splits each rank's own logical batch into
 numbers of forward/backward passes and a collective waits forever. Under
 :class:`~.poisson.SharedPoissonSampler` every rank knows the global count, hence the largest
 share, hence one count for all ranks (no collective); a rank whose share runs out first takes
-part in the remaining physical batches with an empty batch (a zero contribution).
+part with fewer examples, or with an empty batch when its share is smaller than the count
+(a zero contribution, see :mod:`..empty_batch`).
 
 ``BatchMemoryManager`` is used unchanged: importing this package routes Opacus's
 ``wrap_data_loader`` here for loaders over the shared sampler and leaves every other loader to
@@ -42,13 +43,28 @@ class EqualCountSplittingSampler(Sampler[list[int]]):
         world, m = self.sampler.world_size, self.max_batch_size
         for local, total in self.sampler.draws():
             n = physical_batches(total, world, m)
-            for i in range(n):
+            for i, chunk in enumerate(near_equal_chunks(local, n)):
                 self.optimizer.signal_skip_step(do_skip=i < n - 1)
-                yield local[i * m : (i + 1) * m]
+                yield chunk
 
     def __len__(self) -> int:
         expected = self.sampler.sample_rate * self.sampler.num_samples / self.sampler.world_size
         return len(self.sampler) * max(1, math.ceil(expected / self.max_batch_size))
+
+
+def near_equal_chunks(items: list[int], n: int) -> list[list[int]]:
+    """``items`` in ``n`` consecutive chunks whose sizes differ by at most one (larger first).
+
+    A share one example short of the largest then still fills every physical batch; a chunk is
+    empty only when the share is smaller than the count.
+    """
+    q, r = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        size = q + (1 if i < r else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
 
 
 def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer) -> DataLoader:
