@@ -251,8 +251,11 @@ def run(cfg: ExperimentConfig) -> dict:
         if cfg.op_profile and rank == 0 and i == cfg.warmup + cfg.steps - 1:
             profiler = _op_profiler(device)
             profiler.__enter__()
-        if batches is not None:
+        sampling_ms = None
+        if batches is not None:  # the shared draw, split and collate, outside the step's time
+            start = time.perf_counter()
             ids, labels = (t.to(device) for t in next(batches))
+            sampling_ms = (time.perf_counter() - start) * 1e3
         batch_sizes.append(int(ids.shape[0]))
         try:
             with timer.phase("step"):
@@ -279,6 +282,8 @@ def run(cfg: ExperimentConfig) -> dict:
         timings = timer.flush()
         if engine is not None:
             timings.update(engine.last_step_timings)
+        if sampling_ms is not None:
+            timings["sampling"] = sampling_ms
         losses.append(float(loss.item() if hasattr(loss, "item") else loss))
         if measured:
             for k, v in timings.items():

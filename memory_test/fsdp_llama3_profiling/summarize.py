@@ -41,6 +41,8 @@ COLUMNS = [
     "kept_MiB",
     "autograd_saved_MiB",
     "optimizer_ms",
+    "sampling",
+    "sampling_ms",
     "peak_mem_MiB",
     "status",
 ]
@@ -123,6 +125,8 @@ def rows(results: list[dict]) -> list[dict]:
                 if "autograd_saved_bytes" in r
                 else "",
                 optimizer_ms=_phase_median(ph, "optimizer_step"),
+                sampling=r.get("sampling", "fixed"),
+                sampling_ms=_phase_median(ph, "sampling"),
                 peak_mem_MiB=f"{r['peak_memory']['bytes'] / 2**20:.0f}",
             )
         out.append(row)
@@ -144,6 +148,9 @@ def markdown(table: list[dict], results: list[dict]) -> str:
             f"tied embeddings: {model['tied_embeddings']}; batch {cfg['batch_size']} per rank.",
             f"Clock: {env['clock']}; {env['warmup_steps_dropped']} warm-up steps dropped, "
             f"median/min/max over {env['measured_steps']} steps; memory: {mem_kind}.",
+            "Sampling: `poisson` rows draw each batch by the shared Poisson sampler (local sizes "
+            "vary around the batch; `sampling_ms`, outside the step, is the draw, split and "
+            "collate); `fixed` rows reuse one batch.",
             "",
         ]
     lines.append("| " + " | ".join(COLUMNS) + " |")
