@@ -136,8 +136,12 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
     res = run_ranks(wp.bad_checkpoints, 2, path, timeout=300)[0]
     assert "noise_multiplier=1.0" in res["noise"] and "0.5" in res["noise"], res
     assert "CheckpointMismatchError" in res["batch"], res
-    (three,) = run_ranks(wp.bad_checkpoints, 3, path, timeout=300)[:1]
-    assert "saved on 2 rank(s)" in three["noise"] or "noise_multiplier" in three["noise"]
+    assert res["same_fresh_False"][0] is None and res["same_fresh_False"][1], res
+    three = run_ranks(wp.bad_checkpoints, 3, path, timeout=300)[0]
+    message, _ = three["same_fresh_False"]
+    assert "saved on 2 rank(s)" in message and "fresh_noise=True" in message, message
+    message, history = three["same_fresh_True"]
+    assert message is None and history == res["same_fresh_False"][1]  # the accountant goes on
 
 
 def test_iterable_dataset_is_refused_with_what_to_do():

@@ -211,6 +211,15 @@ def bad_checkpoints(rank: int, world: int, path: str) -> dict:
         load_checkpoint(path, gsm, opt, engine=engine)
     except Exception as err:  # noqa: BLE001
         out["batch"] = f"{type(err).__name__}: {err}"
+    for fresh in (False, True):  # the saved configuration: only the world size may differ
+        engine, model, gsm, opt, crit, loader = _private(
+            "fsdp2_root", world, data, cfg["batch"], 1, noise=1.0
+        )
+        try:
+            load_checkpoint(path, gsm, opt, engine=engine, fresh_noise=fresh)
+            out[f"same_fresh_{fresh}"] = (None, list(engine.accountant.history))
+        except Exception as err:  # noqa: BLE001
+            out[f"same_fresh_{fresh}"] = (f"{type(err).__name__}: {err}", None)
     return out
 
 

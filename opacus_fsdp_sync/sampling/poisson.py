@@ -99,10 +99,29 @@ class SharedPoissonSampler(Sampler[list[int]]):
         return self.steps
 
     def global_draw(self, step: int) -> torch.Tensor:
-        """The indices of the global Poisson sample of logical step ``step`` (0-based, global)."""
+        """The indices of the global Poisson sample of logical step ``step`` (0-based, global).
+
+        Each example joins independently with probability ``q``: the selected positions of a
+        Bernoulli process, drawn as its independent geometric gaps (``P(gap = k) = (1 - q)^(k-1)
+        q``), so a step costs O(N q) rather than a draw per example. Sorted ascending.
+        """
+        n, q = self.num_samples, self.sample_rate
+        if q >= 1.0:
+            return torch.arange(n)
         g = torch.Generator().manual_seed(_mix(self.seed, step))
-        mask = torch.rand(self.num_samples, generator=g) < self.sample_rate
-        return mask.nonzero().flatten()
+        expected = n * q
+        chunk = int(expected + 6 * math.sqrt(expected) + 16)
+        log_keep = math.log1p(-q)
+        parts, last = [], -1.0
+        while True:
+            u = torch.rand(chunk, generator=g, dtype=torch.float64)
+            gaps = torch.floor(torch.log1p(-u) / log_keep) + 1  # log1p(-u) = log of U(0, 1]
+            positions = last + torch.cumsum(gaps, 0)
+            inside = positions[positions < n]
+            parts.append(inside)
+            if inside.numel() < chunk:
+                return torch.cat(parts).long()
+            last = float(positions[-1])
 
     def local_share(self, selected: torch.Tensor) -> list[int]:
         """This rank's even share of a global selection (sizes differ by at most one)."""
