@@ -2,8 +2,9 @@
 
 The engine uses them for every ``ghost`` / ``ghost_fsdp`` model it prepares: shared-weight cross
 terms and padding-aware embedding norms (:mod:`.tied`), activations-only first-pass sources and
-the missed-hook check (:mod:`.first_pass`), a direct Llama RMSNorm norm (:mod:`.rms_norm`),
-norms that belong to one backward, a layer that did not run counting as zero (:mod:`.step_norms`).
+the missed-hook check (:mod:`.first_pass`), a direct RMSNorm norm where autograd agrees with it
+(:mod:`.rms_norm`), norms that belong to one backward, a layer that did not run counting as zero
+(:mod:`.step_norms`).
 """
 
 from __future__ import annotations
