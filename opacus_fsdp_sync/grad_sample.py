@@ -4,7 +4,7 @@ The engine uses them for every ``ghost`` / ``ghost_fsdp`` model it prepares: sha
 terms and padding-aware embedding norms (:mod:`.tied`), activations-only first-pass sources and
 the missed-hook check (:mod:`.first_pass`), a direct RMSNorm norm where autograd agrees with it
 (:mod:`.rms_norm`), norms that belong to one backward, a layer that did not run counting as zero
-(:mod:`.step_norms`).
+(:mod:`.step_norms`), exact replays of the layers without a formula (:mod:`.replay`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from torch import nn
 from ._torch_compat import in_backward
 from .first_pass import PassTrackingMixin
 from .linear_norm import GramCache, make_linear_norm_sampler
+from .replay import ReplayMixin
 from .rms_norm import rms_norm_samplers
 from .step_norms import StepNormsMixin
 from .tied.grad_sample import TiedNormMixin
 
 
-class _Ours(PassTrackingMixin, TiedNormMixin, StepNormsMixin):
+class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
     """Mixins first (they wrap Opacus's hooks), then the upstream class."""
 
     def __init__(self, m: nn.Module, **kwargs):
@@ -42,6 +43,8 @@ class _Ours(PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = {id(m) for m in self._hooked}
         self._init_step_norms(self._hooked)
+        fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+        self._init_replay([] if fsdp else self._hooked, self._get_type)
         #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
         self.gram_cache: GramCache | None = None
         #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.

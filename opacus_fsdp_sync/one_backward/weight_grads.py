@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import rms_norm
+from .. import replay, rms_norm
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -71,12 +71,14 @@ def direct_formula(module: nn.Module, module_type: type):
 
 
 def generic(module: nn.Module, inputs, grad_out, params: dict[str, torch.Tensor]):
-    """Any layer: re-run its forward on the stored inputs and differentiate w.r.t. ``params``.
+    """Any layer: replay its recorded forward on the stored inputs, differentiate w.r.t. ``params``.
 
+    The replay (:func:`..replay.replay`) runs with the call's keyword arguments and RNG state
+    (the same dropout mask) and leaves the layer's buffers and the caller's RNG as they were.
     ``params`` maps names to the tensors registered now; they must hold their full values.
     """
     names = list(params)
+    out = replay.replay(module, inputs, getattr(inputs, "call", None))
     with torch.enable_grad():
-        out = module(*inputs)
         grads = torch.autograd.grad(out, [params[n] for n in names], grad_out, allow_unused=True)
     return {n: g for n, g in zip(names, grads) if g is not None}
