@@ -2,7 +2,9 @@
 
 The engine uses them for every ``ghost`` / ``ghost_fsdp`` model it prepares: shared-weight cross
 terms and padding-aware embedding norms (:mod:`.tied`), activations-only first-pass sources and
-the missed-hook check (:mod:`.first_pass`), a direct Llama RMSNorm norm (:mod:`.rms_norm`).
+the missed-hook check (:mod:`.first_pass`), a direct RMSNorm norm where autograd agrees with it
+(:mod:`.rms_norm`), norms that belong to one backward, a layer that did not run counting as zero
+(:mod:`.step_norms`), exact replays of the layers without a formula (:mod:`.replay`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from torch import nn
 from ._torch_compat import in_backward
 from .first_pass import PassTrackingMixin
 from .linear_norm import GramCache, make_linear_norm_sampler
+from .replay import ReplayMixin
 from .rms_norm import rms_norm_samplers
+from .step_norms import StepNormsMixin
 from .tied.grad_sample import TiedNormMixin
 
 
-class _Ours(PassTrackingMixin, TiedNormMixin):
+class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
     """Mixins first (they wrap Opacus's hooks), then the upstream class."""
 
     def __init__(self, m: nn.Module, **kwargs):
@@ -34,11 +38,13 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         self.NORM_SAMPLERS = {**type(self).NORM_SAMPLERS, **rms_norm_samplers(m)}
         self._init_tied()
         self._init_pass_tracking()
-        self._presize_norm_lists()
         # FSDP1 unregisters parameters during forward and backward, when Opacus looks for the
         # layers that own trainable parameters: remember them as they are now.
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = {id(m) for m in self._hooked}
+        self._init_step_norms(self._hooked)
+        fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+        self._init_replay([] if fsdp else self._hooked, self._get_type)
         #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
         self.gram_cache: GramCache | None = None
         #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.
@@ -56,6 +62,11 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
         self.gram_cache = GramCache(gram_block)
         self.per_sample_policy = per_sample_policy
         self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache, per_sample_policy)
+
+    def take_first_pass_sources(self) -> list[torch.Tensor]:
+        """Starts a backward: forgets the last norms and returns this pass's sources."""
+        self.reset_norms()
+        return super().take_first_pass_sources()
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded, the shared Gram matrices included."""
@@ -115,17 +126,6 @@ class _Ours(PassTrackingMixin, TiedNormMixin):
                 "clipping needs one call per layer per forward."
             )
         return None
-
-    def _presize_norm_lists(self) -> None:
-        """Sizes each layer's ``norm_sample`` list now (FSDP variant).
-
-        FSDP1 unregisters the parameters during backward, when upstream sizes the list.
-        """
-        if not isinstance(self, GradSampleHooksFastGradientClippingFSDP):
-            return
-        for module in self.iterate_submodules(self._module):
-            n = sum(1 for p in module.parameters(recurse=False) if p.requires_grad)
-            module.norm_sample = [None] * n
 
 
 class GhostGradSampleModule(_Ours, GradSampleModuleFastGradientClipping):

@@ -4,7 +4,8 @@ With ``b`` the layer's output gradient from the activations-only first pass (sca
 is the gradient of sample n's loss) and ``c`` the clipping coefficients, the clipped gradient
 ``sum_n c_n grad_n`` is the layer's weight gradient for the output gradient ``c_n b_n``: one
 matmul for ``Linear``, ``embedding_dense_backward`` for ``Embedding``, a reduction for the norm
-layers, and, for any other layer, the layer's own autograd on its stored inputs.
+layers (RMSNorm-like layers only where :mod:`..rms_norm` verified its formula against autograd),
+and, for any other layer, the layer's own autograd on its stored inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..rms_norm import LLAMA_STYLE_RMSNORM
+from .. import replay, rms_norm
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,7 @@ def _layer_norm(layer: nn.LayerNorm, inputs, grad_out) -> dict[str, torch.Tensor
 
 def _rms_norm(layer: nn.Module, inputs, grad_out) -> dict[str, torch.Tensor]:
     x = inputs[0]
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)
-    xhat = h.to(x.dtype)
+    xhat = rms_norm.normalized(x, rms_norm.epsilon(layer))
     return {"weight": (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)}
 
 
@@ -66,18 +65,20 @@ def direct_formula(module: nn.Module, module_type: type):
         return _embedding
     if issubclass(module_type, nn.LayerNorm):
         return _layer_norm
-    if module_type.__name__ in LLAMA_STYLE_RMSNORM and hasattr(module, "variance_epsilon"):
+    if rms_norm.has_rms_formula(module, module_type):  # checked against autograd per type
         return _rms_norm
     return None
 
 
 def generic(module: nn.Module, inputs, grad_out, params: dict[str, torch.Tensor]):
-    """Any layer: re-run its forward on the stored inputs and differentiate w.r.t. ``params``.
+    """Any layer: replay its recorded forward on the stored inputs, differentiate w.r.t. ``params``.
 
+    The replay (:func:`..replay.replay`) runs with the call's keyword arguments and RNG state
+    (the same dropout mask) and leaves the layer's buffers and the caller's RNG as they were.
     ``params`` maps names to the tensors registered now; they must hold their full values.
     """
     names = list(params)
+    out = replay.replay(module, inputs, getattr(inputs, "call", None))
     with torch.enable_grad():
-        out = module(*inputs)
         grads = torch.autograd.grad(out, [params[n] for n in names], grad_out, allow_unused=True)
     return {n: g for n, g in zip(names, grads) if g is not None}

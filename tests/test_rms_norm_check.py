@@ -1,0 +1,142 @@
+"""The RMSNorm norm formula is chosen by what a layer computes, checked against autograd.
+
+Reference: the clip-each-sample loop. A layer named ``LlamaRMSNorm`` whose forward ignores its
+``variance_epsilon`` must not get the formula (before the check it did, by name: its norms, and in
+one backward its clipped gradient, were off); Hugging Face's ``LlamaRMSNorm`` must keep it.
+"""
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from opacus_fsdp_sync import PrivacyEngine, rms_norm
+from opacus_fsdp_sync.one_backward import weight_grads
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.models import seq_sample_loss
+from tests.private import make_private
+
+warnings.filterwarnings("ignore")
+B, T, D, H = 6, 5, 16, 12
+TOL = 1e-6
+
+
+class NoEpsRMSNorm(nn.Module):
+    """Holds ``variance_epsilon`` as Llama's does, but its forward ignores it."""
+
+    def __init__(self, hidden: int, eps: float = 0.5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))).to(x.dtype)
+
+
+class OnePlusRMSNorm(NoEpsRMSNorm):
+    """Gemma's scale ``(1 + w) * xhat``: a different forward with the same weight gradient."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+for _cls in (NoEpsRMSNorm, OnePlusRMSNorm):  # what a name-based choice would take for Llama's
+    _cls.__name__ = _cls.__qualname__ = "LlamaRMSNorm"
+
+
+class NormNet(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.inp = nn.Linear(D, H)
+        self.norm = norm
+        self.out = nn.Linear(H, 8)
+
+    def forward(self, x):
+        return self.out(self.norm(self.inp(x)))
+
+
+NORMS = {
+    "hf_llama": lambda: LlamaRMSNorm(H, eps=1e-6),
+    "ignores_eps": lambda: NoEpsRMSNorm(H),
+    "one_plus_weight": lambda: OnePlusRMSNorm(H),
+}
+#: Whether the layer type must take the direct formula.
+DIRECT = {"hf_llama": True, "ignores_eps": False, "one_plus_weight": True}
+
+
+def _diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture()
+def counted(monkeypatch):
+    """Counts calls of the direct norm and of the direct one-backward gradient."""
+    calls = {"norm": 0, "grad": 0}
+    norm, grad = rms_norm.rms_norm_sample, weight_grads._rms_norm
+
+    def counting_norm(*args):
+        calls["norm"] += 1
+        return norm(*args)
+
+    def counting_grad(*args):
+        calls["grad"] += 1
+        return grad(*args)
+
+    monkeypatch.setattr(rms_norm, "_VERDICTS", {}, raising=False)  # each test checks afresh
+    monkeypatch.setattr(rms_norm, "rms_norm_sample", counting_norm)
+    monkeypatch.setattr(weight_grads, "_rms_norm", counting_grad)
+    return calls
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+@pytest.mark.parametrize("kind", list(NORMS))
+def test_rms_norm_formula_only_where_autograd_agrees(kind, one_backward, counted, caplog):
+    torch.manual_seed(0)
+    base = NormNet(NORMS[kind]())
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2 * B, T, D, generator=g), torch.randint(0, 8, (2 * B, T), generator=g)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x[:B], y[:B], 1.0)
+    C = norms.median().item()
+    assert 0 < (norms > C).sum() < B  # clipping active
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    engine = PrivacyEngine(one_backward=one_backward)
+    with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
+        gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
+    assert engine.one_backward is one_backward
+    for s in range(2):
+        xs, ys = x[s * B : (s + 1) * B], y[s * B : (s + 1) * B]
+        logits = gsm(xs)
+        crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T)).backward()
+        opt.step()
+        opt.zero_grad()
+        clip_each_sample_step(ref, seq_sample_loss, xs, ys, C, 0.5)
+    ours = {k: p.detach() for k, p in model.named_parameters()}
+    assert _diff(ours, {k: p.detach() for k, p in ref.named_parameters()}) <= TOL
+    assert _diff(ours, {k: p.detach() for k, p in base.named_parameters()}) > 1e-3
+    # The path taken: the direct norm in each first pass, the direct gradient in each one-backward
+    # step; or neither, with a warning naming the layer.
+    assert counted["norm"] == (2 if DIRECT[kind] else 0)
+    assert counted["grad"] == (2 if DIRECT[kind] and one_backward else 0)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "RMSNorm" in r.message]
+    assert len(warned) == (0 if DIRECT[kind] else 1), [r.message for r in warned]
+
+
+def test_probe_rejects_a_forward_that_ignores_eps_and_accepts_llama():
+    assert rms_norm.formula_error(LlamaRMSNorm(H), LlamaRMSNorm) == 0.0
+    assert rms_norm.formula_error(OnePlusRMSNorm(H), OnePlusRMSNorm) <= rms_norm.PROBE_RTOL
+    assert rms_norm.formula_error(NoEpsRMSNorm(H), NoEpsRMSNorm) > 0.1
+    # Llama's eps of 1e-6 too: the probe has a row at the size of sqrt(eps).
+    assert rms_norm.formula_error(NoEpsRMSNorm(H, eps=1e-6), NoEpsRMSNorm) > 0.1
+    # A forward replaced on one instance cannot be vouched for by its class.
+    odd = LlamaRMSNorm(H)
+    odd.forward = lambda x: odd.weight * x
+    assert not rms_norm.has_rms_formula(odd)
+    assert rms_norm.rms_norm_samplers(nn.Sequential(odd, LlamaRMSNorm(H))) == {}
+    assert LlamaRMSNorm in rms_norm.rms_norm_samplers(nn.Sequential(LlamaRMSNorm(H)))
