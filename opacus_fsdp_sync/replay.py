@@ -154,7 +154,7 @@ def replay_norm_sample(layer: nn.Module, activations, backprops) -> dict:
     call = getattr(layer, "_replay_call", None)
     params = {n: p for n, p in layer.named_parameters(recurse=False) if p.requires_grad}
     grads = per_sample_grads(layer, activations, call, backprops, params)
-    return {params[k]: g.reshape(g.shape[0], -1).norm(2, dim=-1) for k, g in grads.items()}
+    return {params[k]: g.flatten(1).norm(2, dim=-1) for k, g in grads.items()}
 
 
 class ReplayMixin:
