@@ -134,6 +134,10 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def __neg__(self):
         return self._adopt(super().__neg__())
 
+    def __float__(self) -> float:
+        """``float(loss)``: the reduced loss, as ``loss.item()`` gives it."""
+        return float(self.item())
+
     def backward(self) -> None:
         """Runs the private step's backward: the norm-only first pass, then the clipped gradients.
 

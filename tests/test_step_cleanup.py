@@ -121,3 +121,12 @@ def test_no_first_pass_source_falls_back_logged_and_reported(setup, caplog):
     assert len(fallbacks) == 1 and "no first-pass source" in fallbacks[0], fallbacks
     params = {n: p.detach() for n, p in model.named_parameters()}
     assert _diff(params, _loop(base, x, y, C)) <= 1e-6
+
+
+def test_float_and_item_of_the_loss_agree(setup):
+    base, x, y, C = setup
+    _, _, gsm, _, crit = _private(base, x, y, C)
+    loss = crit(gsm(x[:B]), y[:B])
+    assert float(loss) == loss.item() == pytest.approx(
+        torch.nn.functional.cross_entropy(gsm(x[:B]), y[:B]).item()
+    )
