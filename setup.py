@@ -13,13 +13,24 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["opacus_fsdp_sync", "opacus_fsdp_sync.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "opacus>=1.6,<1.7", "numpy"],
+    install_requires=["torch>=2.6", "opacus>=1.6,<1.7", "numpy", "tqdm"],
     extras_require={
         "llama": ["transformers>=4.45"],
         "plot": ["matplotlib"],
-        "dev": ["pytest>=7", "pytest-timeout", "ruff", "transformers>=4.45", "matplotlib"],
+        "lora": ["peft>=0.13", "transformers>=4.45"],
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout",
+            "ruff",
+            "transformers>=4.45",
+            "matplotlib",
+            "peft>=0.13",
+        ],
     },
     entry_points={
-        "console_scripts": ["opacus-fsdp-sync-compare=opacus_fsdp_sync.compare:main"],
+        "console_scripts": [
+            "opacus-fsdp-sync-compare=opacus_fsdp_sync.compare:main",
+            "opacus-fsdp-sync-train=opacus_fsdp_sync.train.__main__:main",
+        ],
     },
 )

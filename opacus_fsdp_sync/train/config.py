@@ -1,0 +1,114 @@
+"""The trainer's configuration: one typed dataclass, one CLI flag per field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from ..models.llama import PRESETS, TASKS
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A DP fine-tuning run.
+
+    Every field is a CLI flag (``--max-grad-norm`` for ``max_grad_norm``).
+    """
+
+    model: str = "tiny"
+    """Preset (random initialisation): ``tiny``, ``small`` or ``llama3.2-1b``."""
+    model_path: str | None = None
+    """A local Hugging Face checkpoint directory (model and tokenizer) instead of a preset."""
+    task: str = "causal_lm"
+    """``causal_lm`` or ``seq_cls`` (a sequence classifier)."""
+    data: str | None = None
+    """A local ``.txt`` (one example per line) or ``.jsonl`` file (``text``, and ``label`` for
+    ``seq_cls``); None: a built-in learnable synthetic task."""
+    heldout_fraction: float = 0.1
+    """Share of the examples kept out of training to measure the held-out loss."""
+    num_examples: int = 512
+    """Examples of the synthetic task."""
+    seq_length: int = 16
+    """Tokens per example."""
+    lora: bool = False
+    """Train peft LoRA adapters (extra ``[lora]``) instead of every weight."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator."""
+    fsdp_api: str = "fsdp2"
+    """``fsdp2``, ``fsdp1`` or ``ddp``."""
+    strategy: str = "full"
+    """``ShardingConfig.strategy``."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 params / fp32 reduce on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
+    target_epsilon: float | None = None
+    """Pick the noise for this epsilon at ``delta`` over ``epochs`` (else ``noise_multiplier``)."""
+    noise_multiplier: float = 0.5
+    """Noise multiplier when no target epsilon is given."""
+    delta: float = 1e-5
+    """DP delta."""
+    max_grad_norm: float = 1.0
+    """Clipping bound (flat, whole-model)."""
+    batch_size: int = 32
+    """Expected logical batch over all ranks (Poisson sampling draws around it)."""
+    physical_batch_size: int | None = None
+    """Largest batch per rank per forward (``BatchMemoryManager``); None: the whole share."""
+    poisson_sampling: bool = True
+    """Poisson sampling (what the accountant assumes); off only for debugging."""
+    epochs: float = 3.0
+    """Passes over the training set (``epochs x steps per epoch`` logical steps)."""
+    max_steps: int | None = None
+    """Stop after this many logical steps (None: ``epochs``)."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    seed: int = 0
+    """Model initialisation, data split and the sampler's shared seed."""
+    eval_every: int = 10
+    """Held-out loss every N logical steps (and at the end)."""
+    checkpoint_every: int = 0
+    """DCP checkpoint (with the DP state) every N logical steps; 0: none."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``out``."""
+    timing: bool = False
+    """``[Ghost]`` per-phase timings."""
+    out: str = "runs/train"
+    """Directory for ``metrics.jsonl``, ``metrics.png``, ``summary.json`` and checkpoints."""
+
+    def __post_init__(self) -> None:
+        if self.model_path is None and self.model not in PRESETS:
+            raise ValueError(f"model={self.model!r}: choose one of {sorted(PRESETS)}")
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task!r}: choose one of {TASKS}")
+        if self.fsdp_api not in ("fsdp2", "fsdp1", "ddp"):
+            raise ValueError(f"fsdp_api={self.fsdp_api!r}: choose fsdp2, fsdp1 or ddp")
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: auto, bf16 or fp32")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction={self.heldout_fraction}: must be in (0, 1)")
+        for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.physical_batch_size is not None and self.physical_batch_size < 1:
+            raise ValueError(f"physical_batch_size={self.physical_batch_size}: at least 1")
+        if self.target_epsilon is not None and self.target_epsilon <= 0:
+            raise ValueError(f"target_epsilon={self.target_epsilon}: must be positive")
+        if self.noise_multiplier < 0 or self.max_grad_norm <= 0 or self.epochs <= 0:
+            raise ValueError("noise_multiplier >= 0, max_grad_norm > 0 and epochs > 0 required")
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Maps CLI flags one-to-one onto :class:`TrainConfig` fields."""
+    parser = argparse.ArgumentParser(
+        prog="opacus-fsdp-sync-train", description="DP fine-tuning under FSDP2, FSDP1 or DDP."
+    )
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
+        parser.add_argument(flag, type=base, default=f.default)
+    return TrainConfig(**vars(parser.parse_args(argv)))
