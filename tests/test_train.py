@@ -59,3 +59,16 @@ def test_lora_trains_only_the_adapters(tmp_path):
     summary, rows, _ = _train(tmp_path, "--lora", "--max-steps", "6", "--eval-every", "3")
     assert summary["trainable"] and all("lora_" in n for n in summary["trainable"])
     assert summary["steps"] == 6
+
+
+def test_readme_quickstart_example_runs_with_poisson_sampling():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.returncode == 0
+    assert "epsilon" in proc.stdout and "[Ghost] sampling: shared Poisson draw" in proc.stdout
