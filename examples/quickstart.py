@@ -25,7 +25,8 @@ from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 def main() -> None:
     """Trains a few private steps and prints the privacy spent."""
     rank, world, device = init_distributed()  # gloo on CPU, NCCL on GPUs
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", force=True)  # [Ghost] lines
     torch.manual_seed(0)
     model = shard_model(build_llama(LlamaSpec(preset="tiny")), ShardingConfig(), device=device)
     ids = torch.randint(1, 128, (256, 16), generator=torch.Generator().manual_seed(0))

@@ -71,4 +71,5 @@ def test_readme_quickstart_example_runs_with_poisson_sampling():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout[-2000:], proc.stderr[-2000:])
     assert proc.returncode == 0
-    assert "epsilon" in proc.stdout and "[Ghost] sampling: shared Poisson draw" in proc.stdout
+    assert "epsilon" in proc.stdout
+    assert "[Ghost] sampling: shared Poisson draw" in proc.stdout + proc.stderr
