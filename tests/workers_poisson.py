@@ -15,7 +15,11 @@ from tests.workers_layouts import BUILD, _base
 warnings.filterwarnings("ignore")
 #: Tiny expected batches (empty local and global draws are common) and larger ones with the
 #: memory manager's physical batches.
-CONFIGS = {"tiny": dict(n=20, batch=2, physical=None), "bmm": dict(n=24, batch=8, physical=2)}
+CONFIGS = {
+    "tiny": dict(n=20, batch=2, physical=None),
+    "bmm": dict(n=24, batch=3, physical=1),
+    "resume": dict(n=24, batch=8, physical=2),
+}
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -160,7 +164,7 @@ def resume(rank: int, world: int, layout: str, path: str, phase: str, k: int, to
     the same, loading model and optimizer only. Noise on."""
     from opacus_fsdp_sync.sharding import load_checkpoint, save_checkpoint
 
-    cfg = CONFIGS["bmm"]
+    cfg = CONFIGS["resume"]
     data = _dataset(cfg["n"])
     resumed = phase in ("second", "no_dp_state")
     seed = 999 if resumed else 11  # a resumed run must not depend on its own seeds
@@ -196,7 +200,7 @@ def bad_checkpoints(rank: int, world: int, path: str) -> dict:
     """Loading a checkpoint into another configuration: the errors users see."""
     from opacus_fsdp_sync.sharding import load_checkpoint
 
-    cfg = CONFIGS["bmm"]
+    cfg = CONFIGS["resume"]
     data = _dataset(cfg["n"])
     out = {}
     engine, model, gsm, opt, crit, loader = _private(
