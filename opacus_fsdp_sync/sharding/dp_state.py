@@ -48,7 +48,11 @@ def _settings(engine, optimizer) -> dict:
         "secure_mode": bool(engine.secure_mode),
         "noise_multiplier": float(optimizer.noise_multiplier),
         "max_grad_norm": float(optimizer.max_grad_norm),
-        "expected_batch_size": optimizer.expected_batch_size,
+        # per rank in Opacus's optimizers: compared over all ranks, so that a resume on another
+        # world size is judged by what it is (the noise streams), not by this
+        "expected_global_batch": None
+        if optimizer.expected_batch_size is None
+        else round(optimizer.expected_batch_size * _rank_world()[1], 6),
         "loss_reduction": optimizer.loss_reduction,
     }
 
