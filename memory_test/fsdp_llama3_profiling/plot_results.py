@@ -271,7 +271,8 @@ def _legend(fig, axes, columns: int = 5) -> None:
             seen.setdefault(name, handle)
     rank = {p: i for i, p in enumerate(colors(()))}
     seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0].split(" (")[0], len(rank))))
-    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=columns, fontsize=7)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=columns, fontsize=7)
     rows = -(-len(seen) // columns)
     fig.tight_layout(rect=(0, (0.2 + 0.17 * rows) / fig.get_figheight(), 1, 1))
 
@@ -324,9 +325,11 @@ def _draw_comm_panel(ax, panel: list[dict], kinds: list[str], color: dict) -> No
                 ax.barh(yk, mib, left=left, height=h * 0.9, color=color[p], label=p)
                 left += mib
             if left:
-                ax.text(left, yk, f" {kind} {left:.1f}", va="center", fontsize=6)
+                ax.text(left, yk, f" {kind} {left:.3g}", va="center", fontsize=6)
     ax.set_yticks(range(len(panel)), [label(r) for r in panel], fontsize=8)
     ax.invert_yaxis()
+    if not kinds:
+        ax.text(0.5, 0.5, "no collectives counted", transform=ax.transAxes, ha="center")
     right = max((sum(_comm_mib(r, k).values()) for r in panel for k in kinds), default=1.0)
     ax.set_xlim(0, (right or 1.0) * 1.3)
 
@@ -346,8 +349,7 @@ def plot_communication(results: list[dict], path: Path):
     for ax, (seq, panel) in zip(axes[:, 0], panels.items()):
         _draw_comm_panel(ax, panel, kinds, color)
         ax.set_title(
-            f"seq {seq}: MiB per step, one thin bar per collective ({', '.join(kinds)}), "
-            "coloured by the phase issuing it",
+            f"seq {seq}: MiB per step, a thin bar per collective kind, coloured by issuing phase",
             fontsize=9,
         )
     axes[-1, 0].set_xlabel("MiB per step (counted in an untimed step)")
