@@ -160,3 +160,19 @@ def test_main_writes_both_plots(results, tmp_path):
     assert plot.main([str(tmp_path)]) == 0
     for name in ("phases.png", "communication.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+RESULTS = plot.Path(plot.__file__).parent / "results"
+
+
+@pytest.mark.parametrize(
+    "run_dir",
+    sorted(p.parent for p in RESULTS.rglob("phases.png")),
+    ids=lambda p: str(p.relative_to(RESULTS)),
+)
+def test_committed_runs_add_up(run_dir):
+    """The committed runs' bars end at their measured step too, and name no unknown phase."""
+    results = plot.load(run_dir)
+    for r in results:
+        assert set(r.get("phases_ms", {})) <= set(PHASE_PARENT), run_dir
+    assert plot.off_bars(plot.bars(results)) == []
