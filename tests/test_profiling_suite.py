@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
+from opacus_fsdp_sync.profiling import PHASE_PARENT
+from tests.suite_scripts import load_script
 
 SUITE = Path(__file__).resolve().parents[1] / "memory_test/fsdp_llama3_profiling"
 
@@ -101,6 +103,17 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     assert {"first_backward", "weight_grads", "reduce_scatter"} <= set(
         results["ghost_fsdp_one_backward"]["phases_ms"]
     )
+    # The plot knows every phase the engine times, and each bar adds up to the measured step.
+    for r in results.values():
+        assert set(r["phases_ms"]) <= set(PHASE_PARENT), set(r["phases_ms"]) - set(PHASE_PARENT)
+    plot = load_script("plot_results")
+    bars = plot.bars(list(results.values()))
+    assert len(bars) == 5 and plot.off_bars(bars) == [], [
+        (b.label, b.total_ms, b.step_ms) for b in bars
+    ]
+    for b in bars:
+        assert "norms" not in b.segments
+        assert (b.mode == "no_dp") != ("norms" in b.nested), b
 
 
 @pytest.mark.distributed

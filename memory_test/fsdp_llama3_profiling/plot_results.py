@@ -1,86 +1,384 @@
-"""PNG plots of a run: per-phase time and communication per mode (one panel per sequence length).
+"""PNG plots of a run: where each step's time goes, and what it communicates.
 
-Usage: ``python plot_results.py RUN_DIR`` (writes ``phases.png`` and ``communication.png``).
+One horizontal bar per experiment (short mode name and API on the left, one panel per sequence
+length), so that ten modes stay readable:
+
+- ``phases.png``: the median of every top-level phase of the step, stacked in step order, then
+  ``other``, the measured step minus those phases (the untimed gaps; clipped at zero, since
+  medians need not add up). A bar ends at the measured step (the black tick) within a few per
+  cent. Phases timed inside another (``norms`` inside ``first_backward``) are drawn hatched inside
+  their parent, not on top of it; phases timed outside the step (``sampling``) are not stacked
+  and are written after the bar. Which phase is which comes from
+  :data:`opacus_fsdp_sync.profiling.PHASE_PARENT`; a phase missing there is stacked (with a
+  warning), never dropped.
+- ``communication.png``: bytes per step of each collective kind, one thin bar per kind, stacked
+  by the phase that issued them.
+
+Usage: ``python plot_results.py RUN_DIR``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from opacus_fsdp_sync.profiling import MODES
+from opacus_fsdp_sync.profiling import MODES, PHASE_PARENT
 
-PHASES = [
-    "forward",
-    "backward",
-    "first_backward",
-    "re-enable_sync",
-    "second_backward",
-    "optimizer_step",
-]
+#: The remainder segment: the measured step minus its timed top-level phases.
+OTHER = "other"
+#: Largest gap between a stacked bar and the measured step that the plot accepts silently.
+TOLERANCE = 0.05
+#: Collective kinds in the order their thin bars are drawn.
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+@dataclass
+class Bar:
+    """One experiment's bar.
+
+    Attributes:
+        label: Short mode name, API (and tied/untied variant) for the axis.
+        mode: The mode (a row of ``MODES``).
+        seq: Sequence length (the panel).
+        step_ms: Median measured step.
+        segments: Top-level phases in stacking order, then :data:`OTHER`; their sum is the bar.
+        nested: Phases timed inside another: ``name -> (start_ms, width_ms, depth, parent)``,
+            drawn over their parent's segment.
+        outside: Phases timed outside the step (not stacked), median ms.
+        vs_no_dp: Step over ``no_dp``'s step of the same length and variant, if that ran.
+    """
+
+    label: str
+    mode: str
+    seq: int
+    step_ms: float
+    segments: dict[str, float] = field(default_factory=dict)
+    nested: dict[str, tuple[float, float, int, str]] = field(default_factory=dict)
+    outside: dict[str, float] = field(default_factory=dict)
+    vs_no_dp: float | None = None
+
+    @property
+    def total_ms(self) -> float:
+        """Length of the stacked bar."""
+        return sum(self.segments.values())
+
+
+def short_name(mode: str) -> str:
+    """``ghost_fsdp_one_backward`` -> ``one_backward``; ``ghost_fsdp`` and ``no_dp`` stay."""
+    return mode.removeprefix("ghost_fsdp_")
+
+
+def _variant(result: dict) -> tuple[str, str]:
+    """API and tied/untied variant of an experiment ("" for the preset's tying)."""
+    cfg = result["config"]
+    tie = cfg.get("tie_word_embeddings")
+    return cfg.get("fsdp_api", "fsdp2"), {True: "tied", False: "untied"}.get(tie, "")
+
+
+def label(result: dict) -> str:
+    """Axis label: short mode name, API, and the tied/untied variant when one was forced."""
+    api, tie = _variant(result)
+    return " ".join(p for p in (short_name(result["config"]["mode"]), api, tie) if p)
+
+
+def _placement(name: str, present: dict[str, float]) -> str | None:
+    """Where phase ``name`` goes: ``"step"`` (stacked), a present parent's name, or None.
+
+    A nested phase whose parent did not run is placed in the nearest ancestor that did, or
+    stacked. A phase missing from ``PHASE_PARENT`` is stacked, with a warning.
+    """
+    if name not in PHASE_PARENT:
+        print(
+            f"plot_results: phase {name!r} is not in PHASE_PARENT "
+            "(opacus_fsdp_sync/profiling/phases.py): stacked as a top-level phase",
+            file=sys.stderr,
+        )
+        return "step"
+    parent = PHASE_PARENT[name]
+    while parent not in (None, "step") and parent not in present:
+        parent = PHASE_PARENT.get(parent, "step")
+    return parent
+
+
+def _order(names) -> list[str]:
+    """Phase names in ``PHASE_PARENT`` order, unknown ones last (alphabetically)."""
+    rank = {p: i for i, p in enumerate(PHASE_PARENT)}
+    return sorted(names, key=lambda p: (rank.get(p, len(rank)), p))
+
+
+def stack(result: dict, no_dp_ms: float | None = None) -> Bar:
+    """The bar of one successful experiment.
+
+    Args:
+        result: One experiment's JSON result (``status == "ok"``).
+        no_dp_ms: ``no_dp``'s median step at the same length and variant, if that ran.
+
+    Returns:
+        The stacked top-level phases and ``other``, the nested phases placed inside their parent,
+        the phases timed outside the step.
+    """
+    present = {p: s["median"] for p, s in result["phases_ms"].items()}
+    step = result["step_ms"]["median"]
+    cfg = result["config"]
+    bar = Bar(label=label(result), mode=cfg["mode"], seq=cfg["seq_length"], step_ms=step)
+    where = {p: _placement(p, present) for p in _order(present)}
+    for p, parent in where.items():
+        if parent == "step":
+            bar.segments[p] = present[p]
+        elif parent is None:
+            bar.outside[p] = present[p]
+    bar.segments[OTHER] = max(step - sum(bar.segments.values()), 0.0)
+    _place_nested(bar, present, where)
+    bar.vs_no_dp = step / no_dp_ms if no_dp_ms else None
+    return bar
+
+
+def _place_nested(bar: Bar, present: dict[str, float], where: dict[str, str | None]) -> None:
+    """Puts each nested phase at the start of its parent, after earlier siblings."""
+    start, depth, used = {}, {}, {}
+    x = 0.0
+    for p, ms in bar.segments.items():
+        start[p], depth[p], used[p] = x, 0, 0.0
+        x += ms
+    for p, parent in where.items():  # PHASE_PARENT order: parents before their children
+        if parent in (None, "step"):
+            continue
+        s = start[parent] + used[parent]
+        used[parent] += present[p]
+        start[p], depth[p], used[p] = s, depth[parent] + 1, 0.0
+        bar.nested[p] = (s, present[p], depth[p], parent)
+
+
+def _sort_key(result: dict) -> tuple:
+    """Sequence length, API (FSDP2, FSDP1, DDP), tied variant, then the mode table's order."""
+    modes = {m: i for i, m in enumerate(MODES)}
+    apis = {a: i for i, a in enumerate(("fsdp2", "fsdp1", "ddp"))}
+    mode = result["config"]["mode"]
+    api, tie = _variant(result)
+    return (
+        result["config"]["seq_length"],
+        apis.get(api, len(apis)),
+        api,
+        tie,
+        modes.get(mode, len(modes)),
+        mode,
+    )
+
+
+def bars(results: list[dict]) -> list[Bar]:
+    """One bar per successful experiment, by sequence length, variant, then mode table order."""
+    ok = sorted((r for r in results if r.get("status") == "ok"), key=_sort_key)
+    floor = {
+        (r["config"]["seq_length"], _variant(r)): r["step_ms"]["median"]
+        for r in ok
+        if r["config"]["mode"] == "no_dp"
+    }
+    return [stack(r, floor.get((r["config"]["seq_length"], _variant(r)))) for r in ok]
+
+
+def off_bars(all_bars: list[Bar], tolerance: float = TOLERANCE) -> list[Bar]:
+    """The bars whose stack differs from their measured step by more than ``tolerance``."""
+    return [b for b in all_bars if abs(b.total_ms - b.step_ms) > tolerance * b.step_ms]
+
+
+def load(run_dir: Path) -> list[dict]:
+    """Every experiment JSON of a run."""
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
+
+
+def colors(names) -> dict[str, object]:
+    """A fixed colour per phase name, whatever the run: ``PHASE_PARENT`` order, grey ``other``.
+
+    Top-level phases take the saturated colours of ``tab10`` (its grey left for ``other``),
+    nested and unknown phases the light ones of ``tab20``.
+    """
+    import matplotlib
+
+    strong = [matplotlib.colormaps["tab10"](i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
+    light = [matplotlib.colormaps["tab20"](i) for i in (9, 19, 17, 13, 11, 3, 1, 5, 7)]
+    top = [p for p, parent in PHASE_PARENT.items() if parent == "step"]
+    rest = [p for p in PHASE_PARENT if p not in top] + [
+        p for p in _order(names) if p not in PHASE_PARENT and p != OTHER
+    ]
+    out = {p: strong[i % len(strong)] for i, p in enumerate(top)}
+    out[OTHER] = "0.8"
+    out.update({p: light[i % len(light)] for i, p in enumerate(rest)})
+    return out
+
+
+def _panels(n_rows: list[int], width: float):
+    """A figure with one panel per sequence length, heights by their number of bars."""
+    import matplotlib.pyplot as plt
+
+    height = sum(0.34 * n + 0.9 for n in n_rows) + 0.8
+    return plt.subplots(
+        len(n_rows),
+        1,
+        figsize=(width, height),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [n + 1.5 for n in n_rows]},
+    )
+
+
+def _by_seq(items, seq_of) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for it in items:
+        out.setdefault(seq_of(it), []).append(it)
+    return out
+
+
+def _bar_note(bar: Bar) -> str:
+    """The measured step, its ratio to ``no_dp``, and the phases timed outside it, in brackets."""
+    note = f" {bar.step_ms:.1f} ms"
+    if bar.vs_no_dp is not None and bar.mode != "no_dp":
+        note += f", {bar.vs_no_dp:.2f}x no_dp"
+    outside = ", ".join(f"{p} {ms:.1f}" for p, ms in bar.outside.items())
+    return note + (f" [{outside}]" if outside else "")
+
+
+def _draw_phase_panel(ax, panel: list[Bar], color: dict) -> None:
+    for y, bar in enumerate(panel):
+        left = 0.0
+        for p, ms in bar.segments.items():
+            ax.barh(y, ms, left=left, height=0.8, color=color[p], label=p)
+            left += ms
+        for p, (start, ms, depth, parent) in bar.nested.items():
+            ax.barh(
+                y,
+                ms,
+                left=start,
+                height=0.8 * 0.5**depth,
+                color=color[p],
+                hatch="///",
+                edgecolor="0.2",
+                linewidth=0.5,
+                label=f"{p} (inside {parent})",
+            )
+        ax.plot([bar.step_ms] * 2, [y - 0.45, y + 0.45], color="k", linewidth=1.5)
+        ax.text(max(bar.total_ms, bar.step_ms), y, _bar_note(bar), va="center", fontsize=7)
+    ax.set_yticks(range(len(panel)), [b.label for b in panel], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(max(b.total_ms, b.step_ms) for b in panel) * 1.5)
+
+
+def _legend(fig, axes, columns: int = 5) -> None:
+    """One legend for all panels, under them; lays the figure out around it."""
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(name, handle)
+    rank = {p: i for i, p in enumerate(colors(()))}
+    seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0].split(" (")[0], len(rank))))
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=columns, fontsize=7)
+    rows = -(-len(seen) // columns)
+    fig.tight_layout(rect=(0, (0.2 + 0.17 * rows) / fig.get_figheight(), 1, 1))
+
+
+def plot_phases(all_bars: list[Bar], path: Path):
+    """Writes the stacked phase bars (one panel per sequence length) to ``path``.
+
+    Returns:
+        The matplotlib figure (for the caller to inspect or close).
+    """
+    panels = _by_seq(all_bars, lambda b: b.seq)
+    names = {p for b in all_bars for p in [*b.segments, *b.nested]}
+    color = colors(names)
+    fig, axes = _panels([len(v) for v in panels.values()], width=11)
+    for ax, (seq, panel) in zip(axes[:, 0], panels.items()):
+        _draw_phase_panel(ax, panel, color)
+        ax.set_title(
+            f"seq {seq}: median ms per phase; tick: measured step (median); "
+            "[ms timed outside the step, not stacked]",
+            fontsize=9,
+        )
+    axes[-1, 0].set_xlabel("ms per step")
+    axes[0, 0].plot([], [], color="k", marker="|", linestyle="", label="measured step")
+    _legend(fig, axes[:, 0])
+    fig.savefig(path, dpi=120)
+    return fig
+
+
+def _comm_mib(result: dict, kind: str) -> dict[str, float]:
+    """MiB per step of one collective kind, by the phase that issued it."""
+    return {
+        p: kinds[kind]["bytes"] / 2**20
+        for p, kinds in result.get("comm_per_step", {}).items()
+        if kinds.get(kind, {}).get("bytes")
+    }
+
+
+def _comm_kinds(results: list[dict]) -> list[str]:
+    seen = {k for r in results for kinds in r.get("comm_per_step", {}).values() for k in kinds}
+    return [k for k in COLLECTIVES if k in seen] + sorted(seen - set(COLLECTIVES))
+
+
+def _draw_comm_panel(ax, panel: list[dict], kinds: list[str], color: dict) -> None:
+    h = 0.8 / max(len(kinds), 1)
+    for y, r in enumerate(panel):
+        for i, kind in enumerate(kinds):
+            yk = y - 0.4 + h * (i + 0.5)
+            left = 0.0
+            for p, mib in _comm_mib(r, kind).items():
+                ax.barh(yk, mib, left=left, height=h * 0.9, color=color[p], label=p)
+                left += mib
+            if left:
+                ax.text(left, yk, f" {kind} {left:.3g}", va="center", fontsize=6)
+    ax.set_yticks(range(len(panel)), [label(r) for r in panel], fontsize=8)
+    ax.invert_yaxis()
+    if not kinds:
+        ax.text(0.5, 0.5, "no collectives counted", transform=ax.transAxes, ha="center")
+    right = max((sum(_comm_mib(r, k).values()) for r in panel for k in kinds), default=1.0)
+    ax.set_xlim(0, (right or 1.0) * 1.3)
+
+
+def plot_communication(results: list[dict], path: Path):
+    """Writes MiB per step per collective kind, stacked by phase, to ``path``.
+
+    Returns:
+        The matplotlib figure (for the caller to inspect or close).
+    """
+    ok = sorted((r for r in results if r.get("status") == "ok"), key=_sort_key)
+    panels = _by_seq(ok, lambda r: r["config"]["seq_length"])
+    kinds = _comm_kinds(ok)
+    names = {p for r in ok for p in r.get("comm_per_step", {})}
+    color = colors(names)
+    fig, axes = _panels([len(v) for v in panels.values()], width=10)
+    for ax, (seq, panel) in zip(axes[:, 0], panels.items()):
+        _draw_comm_panel(ax, panel, kinds, color)
+        ax.set_title(
+            f"seq {seq}: MiB per step, a thin bar per collective kind, coloured by issuing phase",
+            fontsize=9,
+        )
+    axes[-1, 0].set_xlabel("MiB per step (counted in an untimed step)")
+    _legend(fig, axes[:, 0])
+    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Reads the run's JSON results and writes the two plots."""
+    """Reads a run's JSON results and writes ``phases.png`` and ``communication.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path((argv or sys.argv[1:])[0])
-    results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
-    order = {m: i for i, m in enumerate(MODES)}
-    results = [r for r in results if r.get("status") == "ok"]
-    results.sort(key=lambda r: order.get(r["config"]["mode"], len(order)))
-    if not results:
+    results = load(run_dir)
+    all_bars = bars(results)
+    if not all_bars:
         print(f"no successful results in {run_dir}", file=sys.stderr)
         return 1
-    seqs = sorted({r["config"]["seq_length"] for r in results})
-
-    fig, axes = plt.subplots(1, len(seqs), figsize=(5 * len(seqs) + 2.5, 4), squeeze=False)
-    for ax, seq in zip(axes[0], seqs):
-        rs = [r for r in results if r["config"]["seq_length"] == seq]
-        names = [r["config"].get("name") or r["config"]["mode"] for r in rs]
-        bottom = [0.0] * len(rs)
-        for ph in PHASES:
-            vals = [r["phases_ms"].get(ph, {}).get("median", 0.0) for r in rs]
-            if any(vals):
-                ax.bar(names, vals, bottom=bottom, label=ph)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_title(f"seq {seq}: median per phase")
-        ax.set_ylabel("ms")
-        ax.tick_params(axis="x", rotation=20)
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(run_dir / "phases.png", dpi=120)
-
-    fig, axes = plt.subplots(1, len(seqs), figsize=(5 * len(seqs) + 2.5, 4), squeeze=False)
-    for ax, seq in zip(axes[0], seqs):
-        rs = [r for r in results if r["config"]["seq_length"] == seq]
-        names = [r["config"].get("name") or r["config"]["mode"] for r in rs]
-        width = 0.38
-        xs = range(len(rs))
-        for off, kind in ((-width / 2, "all_gather"), (width / 2, "reduce_scatter")):
-            by_phase = {}
-            for i, r in enumerate(rs):
-                for ph, kinds in r["comm_per_step"].items():
-                    by_phase.setdefault(ph, [0.0] * len(rs))[i] = (
-                        kinds.get(kind, {}).get("bytes", 0.0) / 2**20
-                    )
-            bottom = [0.0] * len(rs)
-            for ph, vals in by_phase.items():
-                if any(vals):
-                    ax.bar(
-                        [x + off for x in xs], vals, width, bottom=bottom, label=f"{kind} / {ph}"
-                    )
-                    bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xticks(list(xs), names, rotation=20)
-        ax.set_title(f"seq {seq}: MiB per step (left AG, right RS)")
-        ax.set_ylabel("MiB")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(run_dir / "communication.png", dpi=120)
+    for b in off_bars(all_bars):
+        print(
+            f"plot_results: seq {b.seq} {b.label}: stacked {b.total_ms:.1f} ms against a "
+            f"measured step of {b.step_ms:.1f} ms (more than {TOLERANCE:.0%} apart)",
+            file=sys.stderr,
+        )
+    plt.close(plot_phases(all_bars, run_dir / "phases.png"))
+    plt.close(plot_communication(results, run_dir / "communication.png"))
     print(f"plots: {run_dir / 'phases.png'}, {run_dir / 'communication.png'}")
     return 0
 

@@ -4,7 +4,7 @@ from .comm_counter import CollectiveCounter, CollectiveStats
 from .flops import PhaseFlopCounter
 from .memory import memory_summary, peak_memory, reset_peak
 from .modes import MODES, ModeSpec, get_mode
-from .phases import STEP_PHASES, current_phase, phase
+from .phases import PHASE_PARENT, STEP_PHASES, current_phase, phase
 from .saved import SavedTensorsMeter
 from .timers import TIMING_ENV, StepTimer, timing_enabled_from_env
 
@@ -12,6 +12,7 @@ __all__ = [
     "MODES",
     "ModeSpec",
     "get_mode",
+    "PHASE_PARENT",
     "STEP_PHASES",
     "TIMING_ENV",
     "CollectiveCounter",

@@ -18,6 +18,26 @@ _CURRENT_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar(
 #: Phases of one ghost-clipping step, in order.
 STEP_PHASES = ("forward", "first_backward", "re-enable_sync", "second_backward", "optimizer_step")
 
+#: Every phase the timers report (the engine's and the profiling harness's), in step order, mapped
+#: to the phase whose time includes it: ``"step"`` for a top-level phase (the top-level phases and
+#: the untimed gaps between them make up the step), another phase's name for a phase timed inside
+#: that one, ``None`` for a phase timed outside the step. A new timer gets a row here, so that
+#: plots and tables neither drop it nor count it twice.
+PHASE_PARENT: dict[str, str | None] = {
+    "forward": "step",
+    "backward": "step",  # the non-private step's single backward
+    "first_backward": "step",
+    "norms": "first_backward",  # the first pass's norm hooks (first_pass.py)
+    "tied_norm": "norms",  # a shared weight's cross terms, inside the norm hook (tied/)
+    "re-enable_sync": "step",
+    "second_backward": "step",
+    "weight_grads": "step",  # one backward: clipped gradients from what the first pass kept
+    "reduce_scatter": "step",  # one backward's hand-off under FSDP2 and FSDP1
+    "all_reduce": "step",  # one backward's hand-off under DDP
+    "optimizer_step": "step",
+    "sampling": None,  # the Poisson draw, split and collate, before the step's timer starts
+}
+
 
 def current_phase() -> str:
     """Returns the innermost phase announced with :func:`phase`, or ``"other"``."""
