@@ -192,6 +192,12 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         del sources
         if getattr(self.module, "gram_cache", None) is not None:
             self.module.gram_cache.clear()  # every norm of this step is computed
+        tuner = getattr(self.module, "norm_tuner", None)
+        if tuner is not None and first_error is None:
+            try:  # on every rank at this point: the first call agrees on the plan (a collective)
+                tuner.end_pass()
+            except BaseException as err:
+                first_error = err
         if one:
             self.module.keep_for_grads = False
         try:

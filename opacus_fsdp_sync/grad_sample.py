@@ -49,8 +49,10 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         self.gram_cache: GramCache | None = None
         #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.
         self.per_sample_policy = None
+        #: Set by :meth:`use_fast_norms`: the measured norm plan (``tune_norms``), or None.
+        self.norm_tuner = None
 
-    def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0) -> None:
+    def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0, tuner=None) -> None:
         """Linear norms from shared input Gram matrices (see :mod:`.linear_norm`).
 
         Args:
@@ -58,10 +60,15 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
                 backward only): the sequence layers it takes materialise per-sample gradients.
             gram_block: Tokens per row block of the symmetric Grams (:mod:`.block_gram`), or
                 ``"auto"`` (by the input's device); 0 computes full Grams.
+            tuner: A :class:`~.norm_tuner.NormTuner`: Gram blocks and per-sample gradients
+                chosen by measurement instead of the static rules.
         """
         self.gram_cache = GramCache(gram_block)
         self.per_sample_policy = per_sample_policy
-        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(self.gram_cache, per_sample_policy)
+        self.norm_tuner = tuner
+        self.NORM_SAMPLERS[nn.Linear] = make_linear_norm_sampler(
+            self.gram_cache, per_sample_policy, tuner
+        )
 
     def take_first_pass_sources(self) -> list[torch.Tensor]:
         """Starts a backward: forgets the last norms and returns this pass's sources."""

@@ -27,6 +27,11 @@ from torch import nn
 from .block_gram import contract_output_grams, resolve_block, upper_gram, widen
 
 
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Not DTensors (whose Grams stay full, see :meth:`GramCache.block_for`)."""
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
 def _key(t: torch.Tensor) -> tuple:
     """Identifies a tensor's memory (the readers keep it alive, so no other tensor can reuse it)."""
     return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
@@ -44,6 +49,7 @@ class GramCache:
     def __init__(self, block: int | str = 0) -> None:
         self.block = block
         self._readers: dict[tuple, int] = {}
+        self._total: dict[tuple, int] = {}
         self._grams: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
 
     def note_input(self, activation: torch.Tensor) -> None:
@@ -51,6 +57,13 @@ class GramCache:
         if activation.dim() == 3 and type(activation) is torch.Tensor:  # not a DTensor
             k = _key(activation)
             self._readers[k] = self._readers.get(k, 0) + 1
+            self._total[k] = self._total.get(k, 0) + 1
+
+    def readers(self, activation: torch.Tensor) -> int:
+        """How many ``Linear`` layers read ``activation`` in this backward (at least 1)."""
+        if type(activation) is not torch.Tensor:
+            return 1
+        return max(1, self._total.get(_key(activation), 0))
 
     def block_for(self, *tensors: torch.Tensor) -> int:
         """The row block for Grams of ``tensors``: 0 (full) if any is not a plain tensor."""
@@ -92,15 +105,20 @@ class GramCache:
     def clear(self) -> None:
         """Forgets every count and Gram (end of a backward, or a failed step)."""
         self._readers.clear()
+        self._total.clear()
         self._grams.clear()
 
 
-def make_linear_norm_sampler(cache: GramCache, policy=None):
+def make_linear_norm_sampler(cache: GramCache, policy=None, tuner=None):
     """A norm sampler for ``nn.Linear`` (Opacus's signature) that uses ``cache``.
 
     With a :class:`~opacus_fsdp_sync.one_backward.per_sample.PerSampleGradPolicy`, a sequence
     layer the policy takes gets its norms from materialised per-sample gradients, which are left
     in ``policy.stash`` for the one-backward gradient phase.
+
+    With a :class:`~opacus_fsdp_sync.norm_tuner.NormTuner`, a sequence layer with plain-tensor
+    inputs takes the tuned Gram block and the tuned per-sample decision (in place of
+    ``gram_block="auto"`` and the cost rule); the policy's byte budget still applies.
     """
 
     def linear_norm_sample(
@@ -108,7 +126,18 @@ def make_linear_norm_sampler(cache: GramCache, policy=None):
     ) -> dict:
         a = activations[0]
         out = {}
-        if policy is not None and a.dim() == 3 and policy.take(layer, a, backprops):
+        choice = None
+        if tuner is not None and a.dim() == 3 and _plain(a, backprops):
+            choice = tuner.choose(
+                layer,
+                a,
+                backprops,
+                readers=cache.readers(a),
+                per_sample=policy is not None and policy.may_take(a, backprops),
+                group=id(a),
+            )
+        cheaper = None if choice is None else choice.per_sample
+        if policy is not None and a.dim() == 3 and policy.take(layer, a, backprops, cheaper):
             from .one_backward.per_sample import linear_per_sample_grads, per_sample_norms
 
             if layer.weight.requires_grad:
@@ -128,7 +157,7 @@ def make_linear_norm_sampler(cache: GramCache, policy=None):
                 return out
             a, backprops = a2, g2
         bias = layer.bias is not None and layer.bias.requires_grad
-        block = cache.block_for(a, backprops)
+        block = cache.block_for(a, backprops) if choice is None else choice.block
         aat = None
         if layer.weight.requires_grad:
             shared = a.shape == activations[0].shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,18 @@ class GhostOptions:
     per_sample_grads_budget_bytes: int | None = None
     """Budget of per-sample gradient bytes per step. None: a quarter of the free CUDA memory, or
     an eighth of the available host memory on CPU."""
+    tune_norms: bool | str = "auto"
+    """With ``fast_norms``: choose each sequence ``Linear`` layer's norm strategy (full Grams,
+    each sensible ``gram_block``, per-sample gradients within their budget) by timing them on
+    the real inputs the first time a layer shape, dtype, device and sequence length is met, and
+    reuse the fastest (:mod:`opacus_fsdp_sync.norm_tuner`; every candidate is exact). Replaces
+    ``gram_block="auto"`` and the ``per_sample_grads="auto"`` cost rule; an explicit block or
+    ``per_sample_grads=True``/``False`` is kept. ``"auto"``: on for accelerators, off on CPU
+    (where it does not pay for the benchmark's preset); distributed runs tune on rank 0 at the
+    first step and agree by one broadcast."""
+    tune_norms_cache: str | None = None
+    """JSON file of tuned plans, keyed by device name and torch version, read at the start and
+    extended by what a run tunes. None: ``OPACUS_FSDP_SYNC_NORM_PLAN`` if set, else no file."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -70,6 +83,11 @@ class GhostOptions:
                 f"gram_block={block!r}: choose 'auto', 0 (full Gram matrices) or a positive "
                 "number of tokens per row block"
             )
+        if not (isinstance(self.tune_norms, bool) or self.tune_norms == "auto"):
+            raise ValueError(f"tune_norms={self.tune_norms!r}: choose True, False or 'auto'")
+        cache = self.tune_norms_cache
+        if cache is not None and not isinstance(cache, (str, os.PathLike)):
+            raise ValueError(f"tune_norms_cache={cache!r}: a file path or None")
         psg_budget = self.per_sample_grads_budget_bytes
         if psg_budget is not None and psg_budget < 0:
             raise ValueError(f"per_sample_grads_budget_bytes={psg_budget}: must be >= 0")
@@ -96,6 +114,7 @@ class GhostOptions:
             one_backward=False,
             fast_norms=False,
             per_sample_grads=False,
+            tune_norms=False,
             timing=self.timing,
         )
 

@@ -22,6 +22,7 @@ from .distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
 from .distributed.layout import check_layout, is_distributed, world_size
 from .empty_batch import EmptyBatchStandIn
 from .grad_sample import ghost_class
+from .norm_tuner import make_norm_tuner
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
@@ -86,7 +87,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
             ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
-            ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``timing``).
+            ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``tune_norms``,
+            ``tune_norms_cache``, ``timing``).
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
@@ -139,6 +141,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         gram_block: int | str | None = None,
         per_sample_grads: bool | str | None = None,
         per_sample_grads_budget_bytes: int | None = None,
+        tune_norms: bool | str | None = None,
+        tune_norms_cache: str | None = None,
         **kwargs,
     ):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
@@ -154,6 +158,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             gram_block: Likewise.
             per_sample_grads: Likewise.
             per_sample_grads_budget_bytes: Likewise.
+            tune_norms: Likewise.
+            tune_norms_cache: Likewise.
             **kwargs: Every argument of Opacus's ``make_private``.
 
         Returns:
@@ -174,6 +180,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             gram_block=gram_block,
             per_sample_grads=per_sample_grads,
             per_sample_grads_budget_bytes=per_sample_grads_budget_bytes,
+            tune_norms=tune_norms,
+            tune_norms_cache=tune_norms_cache,
         )
         with self._call_options(overrides):
             opts = self._options_now()  # validates the overrides before anything is wrapped
@@ -391,7 +399,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
             module.tied_timer = self._context.timer
         if opts.fast_norms and hasattr(module, "use_fast_norms"):
             policy = self._per_sample_policy(opts, device) if handoff is not None else None
-            module.use_fast_norms(policy, gram_block=opts.gram_block)
+            tuner = make_norm_tuner(
+                option=opts.tune_norms,
+                cache_path=opts.tune_norms_cache,
+                device=device,
+                gram_block=opts.gram_block,
+                distributed=is_distributed(root),
+                timer=self._context.timer,
+            )
+            module.use_fast_norms(policy, gram_block=opts.gram_block, tuner=tuner)
             logger.info(
                 "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
                 describe_block(opts.gram_block, device),

@@ -282,6 +282,8 @@ def run(cfg: ExperimentConfig) -> dict:
         timings = timer.flush()
         if engine is not None:
             timings.update(engine.last_step_timings)
+            if "norm_tuning" in timings:  # one-off: reported on its own, not in the step
+                timings["step"] = max(0.0, timings["step"] - timings["norm_tuning"])
         if sampling_ms is not None:
             timings["sampling"] = sampling_ms
         losses.append(float(loss.item() if hasattr(loss, "item") else loss))
@@ -327,9 +329,22 @@ def run(cfg: ExperimentConfig) -> dict:
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
+        "norm_tuning": _norm_tuning(model),
         "autograd_saved_bytes": saved.bytes,
         "losses": losses,
         "status": "ok",
+    }
+
+
+def _norm_tuning(model) -> dict | None:
+    """The tuned norm plan and the time spent tuning it (None: tuning off)."""
+    tuner = getattr(model, "norm_tuner", None)
+    if tuner is None:
+        return None
+    return {
+        "tuning_ms_total": tuner.tuning_ms,
+        "device_name": tuner.name,
+        "plan": {str(k): str(c) for k, c in tuner.table.items()},
     }
 
 

@@ -31,6 +31,7 @@ COLUMNS = [
     "norms_ms",
     "second_backward_ms",
     "tied_norm_ms",
+    "norm_tuning_ms",
     "rs_MiB_first_backward",
     "rs_MiB_per_step",
     "ag_MiB_per_step",
@@ -51,6 +52,12 @@ COLUMNS = [
 def _phase_median(phases: dict, name: str) -> str:
     """A phase's median in ms (one decimal), or empty when the mode has no such phase."""
     return f"{phases[name]['median']:.1f}" if name in phases else ""
+
+
+def _tuning(result: dict) -> str:
+    """The one-off norm tuning of the run in ms (outside every step median), or empty."""
+    tuning = result.get("norm_tuning")
+    return f"{tuning['tuning_ms_total']:.1f}" if tuning else ""
 
 
 def _comm(result: dict, kind: str, phase: str | None = None, field: str = "bytes") -> float:
@@ -113,6 +120,7 @@ def rows(results: list[dict]) -> list[dict]:
                 norms_ms=_phase_median(ph, "norms"),
                 second_backward_ms=_phase_median(ph, "second_backward"),
                 tied_norm_ms=_phase_median(ph, "tied_norm"),
+                norm_tuning_ms=_tuning(r),
                 rs_MiB_first_backward=f"{_comm(r, 'reduce_scatter', 'first_backward') / 2**20:.2f}",
                 rs_MiB_per_step=f"{_comm(r, 'reduce_scatter') / 2**20:.2f}",
                 ag_MiB_per_step=f"{_comm(r, 'all_gather') / 2**20:.2f}",

@@ -84,16 +84,37 @@ class PerSampleGradPolicy:
         direct = 4 * d_in * d_out + balance * 3 * d_in * d_out * element_size
         return ghost > direct
 
-    def take(self, layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> bool:
-        """Whether ``layer`` (input ``a``: ``(N, T, d_in)``) materialises; accounts its bytes."""
+    def may_take(self, a: torch.Tensor, g: torch.Tensor) -> bool:
+        """Whether per-sample gradients are a choice to weigh for this layer in this step.
+
+        They are when this step keeps them, the policy weighs cost (``"auto"``) and one layer's
+        per-sample gradients fit the budget at all (:class:`~opacus_fsdp_sync.norm_tuner.NormTuner`
+        times them only then).
+        """
+        nbytes = a.shape[0] * a.shape[-1] * g.shape[-1] * g.element_size()
+        return self.active and self.only_when_cheaper and nbytes <= self.budget_bytes
+
+    def take(
+        self, layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, cheaper: bool | None = None
+    ) -> bool:
+        """Whether ``layer`` (input ``a``: ``(N, T, d_in)``) materialises; accounts its bytes.
+
+        Args:
+            layer: The layer.
+            a: Its input.
+            g: Its output gradient.
+            cheaper: Whether per-sample gradients are the cheaper choice, as measured
+                (:mod:`opacus_fsdp_sync.norm_tuner`); None applies the cost rule
+                (:meth:`cheaper`). Ignored without ``only_when_cheaper``.
+        """
         if not self.active:
             return False
         n, t, d_in = a.shape
         d_out = g.shape[-1]
         plain = type(a) is torch.Tensor and type(g) is torch.Tensor  # DTensors: full Grams
-        if self.only_when_cheaper and not self.cheaper(
-            t, d_in, d_out, g.element_size(), a.device, blocked=plain
-        ):
+        if cheaper is None and self.only_when_cheaper:
+            cheaper = self.cheaper(t, d_in, d_out, g.element_size(), a.device, blocked=plain)
+        if self.only_when_cheaper and not cheaper:
             return False
         nbytes = n * d_in * d_out * g.element_size()
         if self.used_bytes + nbytes > self.budget_bytes:

@@ -89,6 +89,16 @@ MODES: dict[str, ModeSpec] = {
         engine_kwargs={"restricted_first_pass": True, "one_backward": True},
         description="ours (default): one backward, per-sample gradients where cheaper",
     ),
+    "ghost_fsdp_one_backward_tuned": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": True, "one_backward": True, "tune_norms": True},
+        description="A/B for tune_norms: the default with norm strategies tuned (also on CPU)",
+    ),
+    "ghost_fsdp_one_backward_untuned": ModeSpec(
+        private=True,
+        engine_kwargs={"restricted_first_pass": True, "one_backward": True, "tune_norms": False},
+        description="A/B for tune_norms: the default with the static norm rules (tuning off)",
+    ),
 }
 
 

@@ -31,6 +31,8 @@ class _Pending:
     name: str
     start: object
     end: object = None
+    #: For an excluded phase: the phases open around it, from which its time is deducted.
+    within: tuple[str, ...] = ()
 
 
 @dataclass
@@ -48,6 +50,7 @@ class StepTimer:
     log: bool = True
     _pending: list[_Pending] = field(default_factory=list, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)
+    _open: list[str] = field(default_factory=list, repr=False)
 
     @property
     def clock(self) -> str:
@@ -55,18 +58,28 @@ class StepTimer:
         return "cuda_event" if self.device.type == "cuda" else "perf_counter"
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Times the ``with`` block as phase ``name`` of the current step."""
+    def phase(self, name: str, *, excluded: bool = False) -> Iterator[None]:
+        """Times the ``with`` block as phase ``name`` of the current step.
+
+        Args:
+            name: The phase.
+            excluded: Report the phase on its own and deduct its time from every phase of this
+                timer open around it (one-off work such as tuning, kept out of the step's
+                timings).
+        """
         if not self.enabled:
             yield
             return
+        within = tuple(self._open) if excluded else ()
+        self._open.append(name)
         if self.clock == "cuda_event":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            pending = _Pending(name, start)
+            pending = _Pending(name, start, within=within)
             try:
                 yield
             finally:
+                self._open.pop()
                 pending.end = torch.cuda.Event(enable_timing=True)
                 pending.end.record()
                 self._pending.append(pending)
@@ -75,7 +88,8 @@ class StepTimer:
             try:
                 yield
             finally:
-                self._pending.append(_Pending(name, start, time.perf_counter()))
+                self._open.pop()
+                self._pending.append(_Pending(name, start, time.perf_counter(), within))
 
     def end_step(self) -> None:
         """Closes the step: on CPU resolves and logs at once; on CUDA defers to :meth:`flush`."""
@@ -91,6 +105,7 @@ class StepTimer:
         if not self._pending:
             return dict(self._last)
         resolved: dict[str, float] = {}
+        deduct: dict[str, float] = {}
         for item in self._pending:
             if self.clock == "cuda_event":
                 item.end.synchronize()
@@ -98,6 +113,11 @@ class StepTimer:
             else:
                 ms = (item.end - item.start) * 1e3
             resolved[item.name] = resolved.get(item.name, 0.0) + ms
+            for outer in item.within:
+                deduct[outer] = deduct.get(outer, 0.0) + ms
+        for outer, ms in deduct.items():
+            if outer in resolved:
+                resolved[outer] = max(0.0, resolved[outer] - ms)
         self._pending.clear()
         if self.log:
             for name, ms in resolved.items():

@@ -1,0 +1,75 @@
+"""The one-command GPU campaign: what it runs (dry run) and a tiny CPU smoke run of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "memory_test/fsdp_llama3_profiling/gpu_campaign.sh"
+
+
+def _run(tmp_path, **env):
+    full = dict(os.environ, OUT=str(tmp_path / "campaign"), CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run(
+        ["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=900
+    )
+
+
+def test_dry_run_lists_the_three_parts_at_batch_8_and_seq_1024(tmp_path):
+    proc = _run(tmp_path, DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    cmds = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert len(cmds) == 3
+    suite, gram, profile = cmds
+    assert "BATCH_SIZE=8" in suite and "SEQ_LENGTHS=1024" in suite and "MODEL=llama3.2-1b" in suite
+    assert "MODES=no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned" in suite
+    assert "gram_blocks.py" in gram and "--seq-lengths 512 1024 2048" in gram
+    assert "EXTRA_ARGS=--op-profile" in profile and "MODES=ghost_fsdp_one_backward " in profile
+    assert not (tmp_path / "campaign").exists()  # nothing run
+
+
+def test_default_output_folder_names_the_hardware(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env=dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0
+    assert "-campaign/suite" in proc.stdout and "results/cpu-" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
+    proc = _run(
+        tmp_path,
+        MODEL="tiny",
+        BATCH_SIZE="2",
+        SEQ_LENGTHS="32",
+        STEPS="1",
+        WARMUP="1",
+        NPROC="1",
+        PROFILE_STEPS="1",
+        GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1",
+    )
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    out = tmp_path / "campaign"
+    for mode in (
+        "no_dp",
+        "ghost_fsdp",
+        "ghost_fsdp_one_backward",
+        "ghost_fsdp_one_backward_untuned",
+    ):
+        assert json.loads((out / "suite" / f"{mode}_seq32.json").read_text())["status"] == "ok"
+    assert (out / "gram_blocks" / "gram_blocks.md").exists()
+    assert list((out / "op_profile" / "profiles").glob("*.ops.txt"))
+    summary = (out / "campaign.md").read_text()
+    assert "# GPU campaign: cpu-" in summary and "## Suite" in summary and "- gram:" in summary
