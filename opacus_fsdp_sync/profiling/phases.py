@@ -36,6 +36,7 @@ PHASE_PARENT: dict[str, str | None] = {
     "all_reduce": "step",  # one backward's hand-off under DDP
     "optimizer_step": "step",
     "sampling": None,  # the Poisson draw, split and collate, before the step's timer starts
+    "norm_tuning": None,  # timing the norm candidates (norm_tuner.py), subtracted from the step
 }
 
 
