@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["opacus_fsdp_sync", "opacus_fsdp_sync.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "opacus>=1.6,<1.7", "numpy", "tqdm"],
+    install_requires=["torch>=2.13,<2.16", "opacus>=1.6,<1.7", "numpy", "tqdm"],
     extras_require={
         "llama": ["transformers>=4.45"],
         "plot": ["matplotlib"],

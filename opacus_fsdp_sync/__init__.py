@@ -7,15 +7,20 @@ Switch one import::
 
 from .backward import SyncDPLoss, SyncDPTensor
 from .distributed import (
+    TESTED_TORCH_VERSIONS,
     FSDPInternalsError,
+    TorchInternalsError,
     UnsupportedConfigurationError,
     _get_fsdp_root_module,
     get_fsdp_root_module,
 )
+from .distributed.version_gate import warn_if_untested as _warn_if_untested
 from .privacy_engine import PrivacyEngine
 from .profiling import CollectiveCounter, StepTimer, phase
 
 __version__ = "0.1.0"
+
+_warn_if_untested()
 
 __all__ = [
     "CollectiveCounter",
@@ -24,6 +29,8 @@ __all__ = [
     "StepTimer",
     "SyncDPLoss",
     "SyncDPTensor",
+    "TESTED_TORCH_VERSIONS",
+    "TorchInternalsError",
     "UnsupportedConfigurationError",
     "_get_fsdp_root_module",
     "get_fsdp_root_module",

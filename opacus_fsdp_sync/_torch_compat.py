@@ -1,8 +1,10 @@
-"""The one place that calls private autograd APIs (verified on torch 2.6 and 2.13)."""
+"""The one place that calls private autograd APIs (tested on the releases of the version gate)."""
 
 from __future__ import annotations
 
 import torch
+
+from .distributed import version_gate
 
 
 def in_backward() -> bool:
@@ -12,13 +14,13 @@ def in_backward() -> bool:
     capture its activations a second time.
 
     Raises:
-        RuntimeError: if this torch build lacks ``torch._C._current_graph_task_id``.
+        TorchInternalsError: if this torch build lacks ``torch._C._current_graph_task_id``.
     """
     fn = getattr(torch._C, "_current_graph_task_id", None)
     if fn is None:
-        raise RuntimeError(
-            f"torch {torch.__version__} has no torch._C._current_graph_task_id; opacus_fsdp_sync "
-            "cannot tell activation-checkpointing recomputation from a forward. Turn activation "
-            "checkpointing off or use torch 2.6-2.13."
+        raise version_gate.internals_error(
+            "telling activation-checkpointing recomputation from a forward",
+            "torch._C._current_graph_task_id",
+            "Turn activation checkpointing off, or install a tested torch release.",
         )
     return fn() != -1

@@ -1,11 +1,73 @@
 #!/usr/bin/env bash
-# Install (CPU torch wheel explicitly, then the package with its extras) and run the tests.
+# Install and run the tests on every tested torch release (the version gate's
+# TESTED_TORCH_VERSIONS): the oldest supported one with $PYTHON (a CPU wheel), then the newest
+# on the package index in a git-ignored virtual environment created here (kept, so a re-run
+# on the same machine only checks it; pip's cache makes a fresh one faster too).
+# Extra arguments go to pytest, on every run. Environment overrides:
+#   PYTHON          interpreter for the oldest torch (default python3)
+#   TORCH_OLDEST    oldest supported torch (default 2.13.0)
+#   TORCH_NEWEST    newest torch on the package index (default 2.15.0)
+#   NEWEST_VENV     where the newest torch's environment lives (default .venv-torch-newest)
+#   TORCH_RUNS      which runs, in order (default "oldest newest")
+#   NEWEST_PYTEST   pytest selection for the newest run only (default: the whole suite; e.g.
+#                   "-m 'not slow'" if that run ever outgrows CI's time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-"$PYTHON" -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Running pip as" || true
-"$PYTHON" -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Running pip as" || true
-"$PYTHON" -c "import torch, opacus, opacus_fsdp_sync; print('torch', torch.__version__, 'opacus', opacus.__version__)"
-"$PYTHON" -m ruff check opacus_fsdp_sync tests memory_test
+TORCH_OLDEST=${TORCH_OLDEST:-2.13.0}
+TORCH_NEWEST=${TORCH_NEWEST:-2.15.0}
+NEWEST_VENV=${NEWEST_VENV:-.venv-torch-newest}
+TORCH_RUNS=${TORCH_RUNS:-"oldest newest"}
+NEWEST_PYTEST=${NEWEST_PYTEST:-}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
-exec "$PYTHON" -m pytest -q --timeout=900 "$@"
+
+quiet_pip() {  # pip without the root-user warning; pip's own exit status is kept
+  local py=$1
+  shift
+  "$py" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Running pip as" || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+# Installs torch ($2) and the package with its dev extra into interpreter $1, then runs ruff and
+# pytest ($3...: pytest arguments). Returns the first failing step's exit status (pytest's when
+# the tests fail). Called as `run_suite ... || overall=$?`, where bash ignores `set -e` inside
+# it: every step checks its own status.
+run_suite() {
+  local py=$1 torch_version=$2
+  shift 2
+  local start=$SECONDS
+  quiet_pip "$py" "torch==$torch_version" || return $?
+  quiet_pip "$py" -e ".[dev]" || return $?
+  "$py" -c "import sys, torch, opacus, opacus_fsdp_sync; print('== tests on torch', \
+torch.__version__, '| opacus', opacus.__version__, '| python', sys.version.split()[0], '|', \
+sys.executable)" || return $?
+  "$py" -m ruff check opacus_fsdp_sync tests memory_test || return $?
+  local status=0
+  "$py" -m pytest -q --timeout=900 -p no:cacheprovider "$@" || status=$?
+  echo "== torch $torch_version: pytest exit status $status, $((SECONDS - start)) s (install included)"
+  return "$status"
+}
+
+overall=0  # the last failing run's status (pytest's, when tests failed)
+for run in $TORCH_RUNS; do
+  case "$run" in
+    oldest)
+      run_suite "$PYTHON" "$TORCH_OLDEST" "$@" || overall=$?
+      ;;
+    newest)
+      if [ ! -x "$NEWEST_VENV/bin/python" ]; then
+        "$PYTHON" -m venv "$NEWEST_VENV"  # without the system's packages: torch comes from pip
+      fi
+      extra=()
+      if [ -n "$NEWEST_PYTEST" ]; then
+        eval "extra=($NEWEST_PYTEST)"
+      fi
+      run_suite "$NEWEST_VENV/bin/python" "$TORCH_NEWEST" "${extra[@]}" "$@" || overall=$?
+      ;;
+    *)
+      echo "unknown run '$run' in TORCH_RUNS (expected: oldest, newest)" >&2
+      exit 2
+      ;;
+  esac
+done
+exit "$overall"

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         OUT=str(tmp_path),
         MODES="no_dp ghost_fsdp ghost_fsdp_sync ghost_fsdp_parity ghost_fsdp_one_backward",
         CUDA_VISIBLE_DEVICES="",
+        PYTHON=sys.executable,  # this interpreter (a venv's), not the first python3 on PATH
     )
     proc = subprocess.run(
         ["bash", str(SUITE / "run_all_experiments.sh")],
@@ -121,7 +123,7 @@ def test_optimizer_breakdown_times_every_part():
     """The DP optimizer breakdown runs on 2 CPU ranks and reports each part of the step."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [
-        "python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(SUITE / "optimizer_breakdown.py"), "--model", "tiny", "--seq-length", "16",
         "--steps", "2", "--warmup", "1",
     ]  # fmt: skip
@@ -145,8 +147,9 @@ def test_gram_blocks_benchmark_reports_fewer_flops_and_equal_norms(tmp_path):
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [
-        "python3", str(SUITE / "gram_blocks.py"), "--preset", "tiny", "--seq-lengths", "32", "64",
-        "--blocks", "0", "16", "--repeats", "2", "--out", str(tmp_path),
+        sys.executable, str(SUITE / "gram_blocks.py"), "--preset", "tiny",
+        "--seq-lengths", "32", "64", "--blocks", "0", "16", "--repeats", "2",
+        "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -10,6 +10,7 @@ from .controllers import (
     make_controller,
 )
 from .detect import DDP, FSDP1, FSDP2, DistributedRoot, _get_fsdp_root_module, get_fsdp_root_module
+from .version_gate import TESTED_TORCH_VERSIONS, TorchInternalsError
 
 __all__ = [
     "DDP",
@@ -21,6 +22,8 @@ __all__ = [
     "FSDP2Controller",
     "FSDPInternalsError",
     "NullController",
+    "TESTED_TORCH_VERSIONS",
+    "TorchInternalsError",
     "UnsupportedConfigurationError",
     "_get_fsdp_root_module",
     "get_fsdp_root_module",

@@ -1,6 +1,9 @@
 """The one place that reads undocumented ``DistributedDataParallel`` state.
 
-Verified on torch 2.13.0 (CPU, gloo). The one-backward step never lets a parameter gradient reach
+Checked by the test-suite (CPU, gloo) on the torch releases in
+:data:`~opacus_fsdp_sync.distributed.version_gate.TESTED_TORCH_VERSIONS`.
+
+The one-backward step never lets a parameter gradient reach
 DDP's reducer: the activations-only first pass runs no ``AccumulateGrad`` node, so none of DDP's
 autograd hooks fires, and the clipped gradients are set on ``p.grad`` directly and all-reduced
 here, as DDP's reducer would (each gradient divided by the world size, then summed in buckets).
@@ -15,24 +18,26 @@ all-reduce that marks every parameter unused for good, so the one-backward step 
 
 from __future__ import annotations
 
-import warnings
-
-import torch
 from torch import nn
 
-#: torch releases (major.minor) on which these accessors were verified by the test-suite.
-VERIFIED_TORCH_VERSIONS = ("2.13",)
+from . import version_gate
+from .version_gate import TorchInternalsError
+
+#: Kept for callers that read it: the releases the whole suite runs on.
+VERIFIED_TORCH_VERSIONS = version_gate.TESTED_TORCH_VERSIONS
 
 
-class DDPInternalsError(RuntimeError):
-    """Raised when DDP's attributes do not look as the verified torch releases have them."""
+class DDPInternalsError(TorchInternalsError):
+    """Raised when DDP's attributes do not look as the tested torch releases have them."""
 
 
 def _fail(what: str) -> DDPInternalsError:
-    return DDPInternalsError(
-        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (DDP internals "
-        f"verified on {', '.join(VERIFIED_TORCH_VERSIONS)}). Pass one_backward=False to "
-        "PrivacyEngine: DDP then all-reduces in a second backward, as it does by itself."
+    return version_gate.internals_error(
+        "the DDP one-backward hand-off",
+        what,
+        "Pass one_backward=False to PrivacyEngine: DDP then all-reduces in a second backward, as "
+        "it does by itself.",
+        cls=DDPInternalsError,
     )
 
 
@@ -40,10 +45,6 @@ def _get(ddp: nn.Module, name: str):
     if not hasattr(ddp, name):
         raise _fail(f"DistributedDataParallel.{name}")
     return getattr(ddp, name)
-
-
-def _torch_minor() -> str:
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
 def static_graph(ddp: nn.Module) -> bool:
@@ -62,14 +63,6 @@ def one_backward_blocker(ddp: nn.Module) -> str | None:
     Raises:
         DDPInternalsError: if an attribute read here is missing.
     """
-    if _torch_minor() not in VERIFIED_TORCH_VERSIONS:
-        warnings.warn(
-            f"opacus_fsdp_sync: the DDP one-backward hand-off was verified on torch "
-            f"{', '.join(VERIFIED_TORCH_VERSIONS)}, this is {torch.__version__}; the attribute "
-            "checks passed, but run the DDP exactness tests (or pass one_backward=False) before "
-            "trusting results.",
-            stacklevel=2,
-        )
     if static_graph(ddp):
         return "DDP static_graph=True"
     if _get(ddp, "mixed_precision") is not None:

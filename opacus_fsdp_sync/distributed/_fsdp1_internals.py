@@ -1,6 +1,9 @@
 """The one place that touches private FSDP1 (``FullyShardedDataParallel``) state.
 
-Verified on torch 2.13.0. FSDP1 ends its iteration at the end of every backward: the root's final
+Checked by the test-suite on the torch releases in
+:data:`~opacus_fsdp_sync.distributed.version_gate.TESTED_TORCH_VERSIONS`.
+
+FSDP1 ends its iteration at the end of every backward: the root's final
 callback reshards, frees the unsharded flat parameters that a retained graph still points into,
 and resets the pre-backward flags, so Opacus's second backward reads freed storage. With an
 activations-only first pass (no parameter gradient, so no post-backward hook fires), keeping that
@@ -15,16 +18,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import version_gate
 from ._fsdp2_internals import FSDPInternalsError
 
-VERIFIED_TORCH_VERSIONS = ("2.13",)
+#: Kept for callers that read it: the releases the whole suite runs on.
+VERIFIED_TORCH_VERSIONS = version_gate.TESTED_TORCH_VERSIONS
 
 
 def _fail(what: str) -> FSDPInternalsError:
-    return FSDPInternalsError(
-        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (FSDP1 internals "
-        f"verified on {', '.join(VERIFIED_TORCH_VERSIONS)}). Use FSDP2 (fully_shard), or pass "
-        "sync_optimization=False (which FSDP1 ghost clipping cannot run without)."
+    return version_gate.internals_error(
+        "ghost clipping under FSDP1",
+        what,
+        "Use FSDP2 (fully_shard), or install a tested torch release (FSDP1 ghost clipping has "
+        "no fallback: upstream Opacus rejects FSDP1).",
+        cls=FSDPInternalsError,
     )
 
 
@@ -150,7 +157,7 @@ def put_flat_grad(handle, grad: torch.Tensor | None) -> None:
     handle._use_unsharded_grad_views()
 
 
-# --- One-backward hand-off (opacus_fsdp_sync.one_backward), checked on torch 2.13.0 -----------
+# --- One-backward hand-off (opacus_fsdp_sync.one_backward) -----------------------------------
 #
 # After the activations-only first pass every handle that took part is unsharded (its
 # pre-backward hook all-gathered it, and no post-backward hook fired because no flat parameter
@@ -170,10 +177,11 @@ def _private(owner, name: str):
 
 
 def _fail_one_backward(what: str) -> FSDPInternalsError:
-    return FSDPInternalsError(
-        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (FSDP1 one-backward "
-        f"hand-off verified on {', '.join(VERIFIED_TORCH_VERSIONS)}). Pass one_backward=False to "
-        "PrivacyEngine (the two-pass FSDP1 step), or use FSDP2."
+    return version_gate.internals_error(
+        "the FSDP1 one-backward hand-off",
+        what,
+        "Pass one_backward=False to PrivacyEngine (the two-pass FSDP1 step), or use FSDP2.",
+        cls=FSDPInternalsError,
     )
 
 
@@ -293,12 +301,22 @@ def reduce_clipped_gradients(root: nn.Module, grads: dict) -> None:
 
 
 def end_backward_after_failure(root: nn.Module) -> None:
-    """Puts every FSDP1 state back to IDLE after a hand-off raised (best effort)."""
+    """Puts every FSDP1 state back to IDLE after a hand-off raised.
+
+    Raises:
+        FSDPInternalsError: if FSDP1's states are not as on the tested torch releases.
+    """
     from torch.distributed.fsdp._common_utils import TrainingState
 
-    for state in _states(root):
-        state.training_state = TrainingState.IDLE
-        handle = getattr(state, "_handle", None)
-        if handle is not None:
-            handle._ran_pre_backward_hook = False
-    root._post_backward_callback_queued = False
+    with version_gate.private_access(
+        "recovering FSDP1 after a failed step",
+        "FullyShardedDataParallel.training_state / FlatParamHandle._ran_pre_backward_hook",
+        "The next step would be wrong: restart from a checkpoint.",
+        cls=FSDPInternalsError,
+    ):
+        for state in _states(root):
+            state.training_state = TrainingState.IDLE
+            handle = getattr(state, "_handle", None)
+            if handle is not None:
+                handle._ran_pre_backward_hook = False
+        root._post_backward_callback_queued = False

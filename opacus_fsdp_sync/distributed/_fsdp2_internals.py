@@ -1,53 +1,99 @@
 """The one place that touches private FSDP2 (``fully_shard``) attributes.
 
-Checked on torch 2.6 layouts (singular ``_fsdp_param_group``) and torch 2.13.0 (plural
-``_fsdp_param_groups``). Every accessor validates what it reads and raises
-:class:`FSDPInternalsError` naming the attribute and the torch version, rather than silently doing
-nothing: a missed gradient clear would leak unclipped gradients into a private update.
+Checked by the test-suite on the torch releases in
+:data:`~opacus_fsdp_sync.distributed.version_gate.TESTED_TORCH_VERSIONS` (2.13 and 2.15), with
+branches for the torch 2.6-2.8 layout (singular ``_fsdp_param_group``). Every accessor validates
+what it reads and raises :class:`FSDPInternalsError` naming the attribute, the feature and the
+torch version, rather than silently doing nothing: a missed gradient clear would leak unclipped
+gradients into a private update.
+
+Where an unsynchronised (sync off) gradient lives changed in torch 2.15
+(:func:`unsynced_grad_layout`):
+
+- up to 2.14 (``"separate"``): on the unsharded parameter's ``.grad``, or, when the reduce dtype
+  differs from the parameter dtype, on the writable ``FSDPParam.unsharded_accumulated_grad``
+  (``to_accumulated_grad_if_needed`` moves it there after each backward);
+- from 2.15 (``"leaf"``): always on the unsharded parameter's ``.grad``, in the reduce dtype after
+  FSDP2's post-backward (the parameter's ``grad_dtype`` says which dtype autograd may accumulate
+  in); ``unsharded_accumulated_grad`` is a read-only alias of that same tensor, so reading both
+  would count the gradient twice.
+
+Callers get the same functions on every release; gradients taken from an ``FSDPParam`` are an
+opaque pair (``(grad, accumulated grad)``, the second always None from 2.15 on).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from . import version_gate
+from .version_gate import TorchInternalsError
+
 logger = logging.getLogger(__name__)
 
-#: torch releases (major.minor) on which these accessors were verified by the test-suite.
-VERIFIED_TORCH_VERSIONS = ("2.13",)
-_warned_unverified = False
+#: Kept for callers that read it: the releases the whole suite runs on.
+VERIFIED_TORCH_VERSIONS = version_gate.TESTED_TORCH_VERSIONS
+
+SEPARATE = "separate"
+LEAF = "leaf"
+
+_HANDOFF = "the FSDP2 one-backward hand-off"
+_HANDOFF_REMEDY = (
+    "Pass one_backward=False to PrivacyEngine (the two-pass step), or install a tested torch "
+    "release."
+)
+_REMEDY = (
+    "Pass sync_optimization=False to PrivacyEngine to run upstream Opacus unchanged, or install "
+    "a tested torch release."
+)
 
 
-class FSDPInternalsError(RuntimeError):
-    """Raised when FSDP2 internals do not look as this torch release was verified to have them."""
+class FSDPInternalsError(TorchInternalsError):
+    """Raised when FSDP (FSDP2 or FSDP1) internals are not as on the tested torch releases."""
 
 
-def _torch_minor() -> str:
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+_FEATURE = "the FSDP2 sync-skipping step"
 
 
-def _fail(what: str) -> FSDPInternalsError:
-    return FSDPInternalsError(
-        f"opacus_fsdp_sync could not find {what} on torch {torch.__version__} (verified on "
-        f"{', '.join(VERIFIED_TORCH_VERSIONS)}). Pass sync_optimization=False to PrivacyEngine "
-        "to run upstream Opacus unchanged, or install a verified torch release."
-    )
+def _fail(what: str, feature: str = _FEATURE) -> FSDPInternalsError:
+    remedy = _HANDOFF_REMEDY if feature == _HANDOFF else _REMEDY
+    return version_gate.internals_error(feature, what, remedy, cls=FSDPInternalsError)
 
 
-def _warn_if_unverified() -> None:
-    global _warned_unverified
-    if not _warned_unverified and _torch_minor() not in VERIFIED_TORCH_VERSIONS:
-        _warned_unverified = True
-        warnings.warn(
-            f"opacus_fsdp_sync: FSDP2 internals were verified on torch "
-            f"{', '.join(VERIFIED_TORCH_VERSIONS)}, this is {torch.__version__}; the structure "
-            "checks passed, but run the exactness tests before trusting results.",
-            stacklevel=3,
-        )
+def _access(what: str, feature: str = _FEATURE):
+    """A ``with`` block in which an ``AttributeError`` becomes a versioned error."""
+    remedy = _HANDOFF_REMEDY if feature == _HANDOFF else _REMEDY
+    return version_gate.private_access(feature, what, remedy, cls=FSDPInternalsError)
+
+
+@functools.cache
+def unsynced_grad_layout() -> str:
+    """Where FSDP2 keeps an unsynchronised gradient on this torch: ``"separate"`` or ``"leaf"``.
+
+    See the module docstring. Decided from ``FSDPParam`` itself, not from the version string, so
+    a release between the tested ones is handled by what it has.
+
+    Raises:
+        FSDPInternalsError: if ``FSDPParam`` looks like neither layout.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError as err:
+        raise _fail("torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam") from err
+    accumulated = inspect.getattr_static(FSDPParam, "unsharded_accumulated_grad", None)
+    if hasattr(FSDPParam, "to_accumulated_grad_if_needed") and not isinstance(
+        accumulated, property
+    ):
+        return SEPARATE  # torch <= 2.14: a writable instance attribute
+    if isinstance(accumulated, property) or accumulated is None:
+        return LEAF  # torch >= 2.15: the gradient stays on the unsharded parameter
+    raise _fail("FSDPParam.unsharded_accumulated_grad as an attribute or a read-only property")
 
 
 def param_groups(module: nn.Module) -> list:
@@ -59,7 +105,6 @@ def param_groups(module: nn.Module) -> list:
     Raises:
         FSDPInternalsError: if the FSDP state has neither known attribute.
     """
-    _warn_if_unverified()
     get_state = getattr(module, "_get_fsdp_state", None)
     if get_state is None:
         raise _fail(f"_get_fsdp_state() on {type(module).__name__}")
@@ -104,7 +149,8 @@ def get_sync_flags(group) -> tuple[bool, bool]:
 
 def set_sync_flags(group, flags: tuple[bool, bool]) -> None:
     """Restores ``(reduce_grads, all_reduce_grads)`` saved by :func:`get_sync_flags`."""
-    group.reduce_grads, group.all_reduce_grads = flags
+    with _access("FSDPParamGroup.reduce_grads / all_reduce_grads"):
+        group.reduce_grads, group.all_reduce_grads = flags
 
 
 def unsharded_param(fsdp_param) -> nn.Parameter | None:
@@ -112,37 +158,100 @@ def unsharded_param(fsdp_param) -> nn.Parameter | None:
     return getattr(fsdp_param, "_unsharded_param", None)
 
 
-def take_unsharded_grads(fsdp_param) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Detaches and returns ``(unsharded_param.grad, unsharded_accumulated_grad)``.
+def _fits_grad_dtype(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in a dtype ``param.grad`` accepts (torch >= 2.15 checks ``grad_dtype``)."""
+    allowed = getattr(param, "grad_dtype", param.dtype)
+    if allowed is None or grad.dtype == allowed:
+        return grad
+    return grad.to(allowed)  # what FSDP2's post-backward does to a not yet upcast gradient
 
-    Both are set to None on the ``FSDPParam``. The second exists when the reduce dtype differs
-    from the parameter dtype (e.g. bf16 params with fp32 reduce).
+
+def take_unsharded_grads(fsdp_param) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Detaches and returns every unsynchronised gradient an ``FSDPParam`` holds.
+
+    Returns:
+        ``(unsharded_param.grad, unsharded_accumulated_grad)``, both now cleared on the
+        ``FSDPParam``. The second exists up to torch 2.14 when the reduce dtype differs from the
+        parameter dtype (e.g. bf16 params with fp32 reduce) and is always None from 2.15 on.
+        Treat the pair as opaque: give it back with :func:`put_unsharded_grads`, read it with
+        :func:`merge_unsharded_grads`.
+
+    Raises:
+        FSDPInternalsError: if the layout is not as on the tested torch releases.
     """
-    if not hasattr(fsdp_param, "unsharded_accumulated_grad"):
-        raise _fail("FSDPParam.unsharded_accumulated_grad")
+    layout = unsynced_grad_layout()
     param = unsharded_param(fsdp_param)
     grad = None
     if param is not None:
         grad, param.grad = param.grad, None
-    acc, fsdp_param.unsharded_accumulated_grad = fsdp_param.unsharded_accumulated_grad, None
+    if layout == LEAF:
+        return grad, None
+    with _access("a writable FSDPParam.unsharded_accumulated_grad"):
+        acc, fsdp_param.unsharded_accumulated_grad = fsdp_param.unsharded_accumulated_grad, None
     return grad, acc
 
 
 def put_unsharded_grads(fsdp_param, grads: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
-    """Puts back gradients taken by :func:`take_unsharded_grads`."""
+    """Puts back gradients taken by :func:`take_unsharded_grads` (replacing what is there).
+
+    Raises:
+        FSDPInternalsError: if the layout is not as on the tested torch releases, or the pair
+            holds an accumulated gradient that this torch has no place for.
+    """
     grad, acc = grads
     param = unsharded_param(fsdp_param)
-    if param is not None:
-        param.grad = grad
-    fsdp_param.unsharded_accumulated_grad = acc
+    if param is None:
+        if grad is not None or acc is not None:
+            raise _fail("FSDPParam._unsharded_param (after FSDP's lazy init)")
+        return
+    if unsynced_grad_layout() == LEAF:
+        if acc is not None:  # a pair from another torch release cannot reach here
+            raise _fail("a place for a separate unsharded accumulated gradient")
+        param.grad = None if grad is None else _fits_grad_dtype(param, grad)
+        return
+    param.grad = grad
+    with _access("a writable FSDPParam.unsharded_accumulated_grad"):
+        fsdp_param.unsharded_accumulated_grad = acc
+
+
+def merge_unsharded_grads(
+    grads: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> torch.Tensor | None:
+    """One full gradient from a pair of :func:`take_unsharded_grads` (no copy when one is set).
+
+    Up to torch 2.14 both parts can be set (a backward after the accumulated one, not yet folded
+    in by FSDP2's post-backward); the sum is in the accumulated gradient's (reduce) dtype.
+    """
+    grad, acc = grads
+    if grad is None or acc is None:
+        return acc if grad is None else grad
+    return acc + grad.to(acc.dtype)
+
+
+def unsynced_grad(fsdp_param) -> torch.Tensor | None:
+    """The full unsynchronised gradient an ``FSDPParam`` holds, without taking it (no copy).
+
+    Raises:
+        FSDPInternalsError: if the layout is not as on the tested torch releases.
+    """
+    param = unsharded_param(fsdp_param)
+    grad = None if param is None else param.grad
+    if unsynced_grad_layout() == LEAF:
+        return grad  # unsharded_accumulated_grad is this same tensor
+    with _access("FSDPParam.unsharded_accumulated_grad"):
+        acc = fsdp_param.unsharded_accumulated_grad
+    return merge_unsharded_grads((grad, acc))
 
 
 def holds_unsharded_grad(fsdp_param) -> bool:
     """True when the ``FSDPParam`` holds any unsharded (unreduced) gradient."""
     param = unsharded_param(fsdp_param)
-    return (param is not None and param.grad is not None) or getattr(
-        fsdp_param, "unsharded_accumulated_grad", None
-    ) is not None
+    if param is not None and param.grad is not None:
+        return True
+    if unsynced_grad_layout() == LEAF:
+        return False
+    with _access("FSDPParam.unsharded_accumulated_grad"):
+        return fsdp_param.unsharded_accumulated_grad is not None
 
 
 def get_reshard_after_backward(group) -> bool:
@@ -155,7 +264,8 @@ def get_reshard_after_backward(group) -> bool:
 
 def set_reshard_after_backward(group, flag: bool) -> None:
     """Restores a flag saved by :func:`get_reshard_after_backward`."""
-    group.reshard_after_backward = flag
+    with _access("FSDPParamGroup.reshard_after_backward"):
+        group.reshard_after_backward = flag
 
 
 def unsharded_bytes(modules: list[nn.Module]) -> int:
@@ -174,7 +284,10 @@ def unsharded_bytes(modules: list[nn.Module]) -> int:
     return total
 
 
-# --- Gradient access (opacus_fsdp_sync.grad_access), checked on torch 2.13.0 -----------------
+# --- Gradient access (opacus_fsdp_sync.grad_access) ------------------------------------------
+
+
+_GRAD_ACCESS = "gradient access (opacus_fsdp_sync.grad_access) under FSDP2"
 
 
 def param_location(fsdp_param) -> tuple[nn.Module, str]:
@@ -187,11 +300,11 @@ def param_location(fsdp_param) -> tuple[nn.Module, str]:
     module = getattr(info, "module", None)
     name = getattr(info, "param_name", None)
     if module is None or name is None:
-        raise _fail("FSDPParam._module_info.module / .param_name")
+        raise _fail("FSDPParam._module_info.module / .param_name", _GRAD_ACCESS)
     return module, name
 
 
-# --- One-backward hand-off (opacus_fsdp_sync.one_backward), checked on torch 2.13.0 -----------
+# --- One-backward hand-off (opacus_fsdp_sync.one_backward) -----------------------------------
 
 
 def param_group_index(modules: list[nn.Module]) -> tuple[list, dict[int, tuple[int, object]]]:
@@ -214,14 +327,25 @@ def param_group_index(modules: list[nn.Module]) -> tuple[list, dict[int, tuple[i
 def set_unsharded_grad(fp, grad: torch.Tensor) -> None:
     """Adds ``grad`` (a full gradient) to the unsharded gradient of ``fp``, as autograd would.
 
+    The gradient is cast to the parameter dtype, the dtype autograd produces in a reducing
+    backward; an unsynchronised gradient already there (the user's own micro-batches, in the
+    reduce dtype) is added to. From torch 2.15 on, FSDP2's pre-backward of a reducing backward
+    lifts the unsharded parameter's ``grad_dtype`` restriction so that autograd may store such a
+    gradient; this does the same where needed.
+
     Raises:
         FSDPInternalsError: if the unsharded parameter is missing or of another shape.
     """
     up = unsharded_param(fp)
     if up is None or tuple(up.shape) != tuple(grad.shape):
-        raise _fail("FSDPParam._unsharded_param of the gradient's shape")
+        raise _fail("FSDPParam._unsharded_param of the gradient's shape", _HANDOFF)
     grad = grad.to(up.dtype)
-    up.grad = grad if up.grad is None else up.grad + grad  # user's unsynced micro-batches
+    if up.grad is not None:  # user's unsynced micro-batches
+        up.grad = up.grad + grad
+        return
+    if unsynced_grad_layout() == LEAF and getattr(up, "grad_dtype", None) not in (None, grad.dtype):
+        up.grad_dtype = None  # FSDP2's post-backward sets it back after the reduce-scatter
+    up.grad = grad
 
 
 def group_post_backward(group) -> None:
@@ -231,12 +355,16 @@ def group_post_backward(group) -> None:
         FSDPInternalsError: if the group has no ``post_backward``.
     """
     if not hasattr(group, "post_backward"):
-        raise _fail("FSDPParamGroup.post_backward")
+        raise _fail("FSDPParamGroup.post_backward", _HANDOFF)
     group.post_backward()
 
 
 def finish_backward(modules: list[nn.Module]) -> None:
     """Each root's final backward callback: FSDP2 waits for its reductions and goes idle.
+
+    From torch 2.15 on the callback expects the backward's finalisation mode to have been
+    recorded by the root's pre-backward, which the first pass's own end of backward cleared;
+    it is recorded again here, as the pre-backward would.
 
     Raises:
         FSDPInternalsError: if a root lacks the callback.
@@ -245,12 +373,65 @@ def finish_backward(modules: list[nn.Module]) -> None:
         state = module._get_fsdp_state()
         if getattr(state, "_is_root", False):
             if not hasattr(state, "_root_post_backward_final_callback"):
-                raise _fail("FSDPState._root_post_backward_final_callback")
+                raise _fail("FSDPState._root_post_backward_final_callback", _HANDOFF)
+            ctx = getattr(state, "_state_ctx", None)
+            if hasattr(ctx, "manual_backward_finalization_active"):  # torch >= 2.15
+                with _access("FSDPStateContext.manual_backward_finalization", _HANDOFF):
+                    if ctx.manual_backward_finalization_active is None:
+                        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
             state._root_post_backward_final_callback()
 
 
+# --- Recovery after a failed step -------------------------------------------------------------
+
+
+def reset_after_failure(modules: list[nn.Module]) -> None:
+    """Drops every unreduced gradient and resets FSDP2's per-iteration state.
+
+    Uses the public ``FSDPModule.reset_iter_state()`` on the root (torch 2.12 and later; it must
+    be called on the root and raises ``RuntimeError`` elsewhere). Unsynchronised gradients are
+    dropped first, so a hand-off that failed after setting some leaves nothing to be added into
+    the next step.
+
+    Args:
+        modules: The outermost FSDP2 modules.
+
+    Raises:
+        FSDPInternalsError: if this torch has no ``reset_iter_state`` or no root could be reset.
+    """
+    feature = "recovering FSDP2 after a failed step"
+    remedy = "The next step would be wrong: restart from a checkpoint."
+    for group in iter_param_groups(modules):
+        for fp in fsdp_params(group):
+            take_unsharded_grads(fp)
+    last_error: RuntimeError | None = None
+    reset_any = False
+    for module in modules:
+        reset = getattr(module, "reset_iter_state", None)
+        if reset is None:
+            raise version_gate.internals_error(
+                feature, "FSDPModule.reset_iter_state()", remedy, cls=FSDPInternalsError
+            )
+        try:
+            reset()
+            reset_any = True
+        except RuntimeError as err:  # not the root FSDP state: reset through the root
+            last_error = err
+    if reset_any:
+        return
+    raise version_gate.internals_error(
+        feature,
+        "a root FSDP module that reset_iter_state() accepts",
+        remedy,
+        cls=FSDPInternalsError,
+    ) from last_error
+
+
 def unmanaged_param_error(param: torch.Tensor) -> FSDPInternalsError:
-    """The error for a parameter that received a clipped gradient but is not FSDP2's."""
+    """The error for a parameter that received a clipped gradient but is not FSDP2's.
+
+    Not a version problem: the message names the way out, not the torch release.
+    """
     return FSDPInternalsError(
         f"a parameter of shape {tuple(param.shape)} that received a clipped gradient is "
         "not managed by FSDP2; shard every trainable parameter or pass "

@@ -8,13 +8,14 @@ whatever the pass produced and restores the user's own settings and gradients ex
 from __future__ import annotations
 
 import logging
+import sys
 
-import torch
 from torch import nn
 
 from . import _ddp_internals as ddp_internals
 from . import _fsdp1_internals as fsdp1
 from . import _fsdp2_internals as internals
+from . import version_gate
 from .detect import DDP, FSDP1, FSDP2, DistributedRoot
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -64,9 +65,21 @@ class FSDP2Controller:
         self._saved_flags: list[tuple[object, tuple[bool, bool]]] = []
         self._stash: list[tuple[object, tuple]] = []
         self._hooks: list = []
+        self._broken: version_gate.TorchInternalsError | None = None
 
     def begin_first_pass(self) -> None:
-        """Turns gradient sync off and arms the early gradient drop."""
+        """Turns gradient sync off and arms the early gradient drop.
+
+        Raises:
+            FSDPInternalsError: when an earlier failed step could not be cleaned up.
+        """
+        if self._broken is not None:
+            raise internals.FSDPInternalsError(
+                "opacus_fsdp_sync: an earlier step failed and FSDP2 could not be put back in "
+                f"order afterwards ({self._broken}); this step would be wrong. Restart from a "
+                "checkpoint.",
+                feature=self._broken.feature,
+            ) from self._broken
         groups = list(internals.iter_param_groups(self.modules))
         self._saved_flags = [(g, internals.get_sync_flags(g)) for g in groups]
         for g in groups:
@@ -85,50 +98,92 @@ class FSDP2Controller:
                     self._hooks.append(param.register_post_accumulate_grad_hook(_drop_grad))
 
     def end_first_pass(self) -> None:
-        """Drops first-pass gradients and restores the user's gradients and sync flags."""
+        """Drops first-pass gradients and restores the user's gradients and sync flags.
+
+        If this fails while the step's own error is being handled, that error keeps
+        propagating (see :meth:`abort`).
+
+        Raises:
+            FSDPInternalsError: when FSDP2's internals are not as on the tested torch releases
+                and no exception is being handled.
+        """
+        pending = sys.exc_info()[1]
         try:
-            for handle in self._hooks:
-                handle.remove()
-            for g, _ in self._saved_flags:
-                for fp in internals.fsdp_params(g):
-                    internals.take_unsharded_grads(fp)
-            for fp, grads in self._stash:
-                internals.put_unsharded_grads(fp, grads)
-        finally:
-            for g, flags in self._saved_flags:
-                internals.set_sync_flags(g, flags)
-            for g, flag in self._saved_reshard:
-                internals.set_reshard_after_backward(g, flag)
-            self._hooks, self._stash, self._saved_flags, self._saved_reshard = [], [], [], []
+            try:
+                for handle in self._hooks:
+                    handle.remove()
+                for g, _ in self._saved_flags:
+                    for fp in internals.fsdp_params(g):
+                        internals.take_unsharded_grads(fp)
+                for fp, grads in self._stash:
+                    internals.put_unsharded_grads(fp, grads)
+            finally:
+                for g, flags in self._saved_flags:
+                    internals.set_sync_flags(g, flags)
+                for g, flag in self._saved_reshard:
+                    internals.set_reshard_after_backward(g, flag)
+                self._hooks, self._stash, self._saved_flags, self._saved_reshard = [], [], [], []
+        except Exception as err:
+            self._cleanup_failed(err, pending, "ending the FSDP2 first pass")
 
     def abort(self) -> None:
-        """Resets FSDP2's per-iteration state after a backward raised midway.
+        """Resets FSDP2 after a backward or hand-off raised midway; never masks that error.
 
-        Uses the public ``FSDPModule.reset_iter_state()`` (torch >= 2.12) on the root; without it
-        the next backward silently skips some reduce-scatters, so older torch gets a loud error.
-        Every unreduced (unsharded) gradient is dropped too, as the engine drops the sharded
-        ones: otherwise a hand-off that failed after setting some gradients would leave them to
-        be added into the next step.
+        Drops every unreduced (unsharded) gradient, as the engine drops the sharded ones (a
+        hand-off that failed after setting some would otherwise leave them to be added into the
+        next step), and resets FSDP2's per-iteration state with the public
+        ``FSDPModule.reset_iter_state()`` (see
+        :func:`~opacus_fsdp_sync.distributed._fsdp2_internals.reset_after_failure`).
+
+        When that recovery itself fails, FSDP2 is left in a state in which the next step would
+        be wrong. If an exception is being handled (the step's own failure, the usual caller),
+        that exception keeps propagating: the recovery error is logged and attached to it (as a
+        note and as ``__opacus_abort_error__``), and this controller refuses every later step,
+        naming the recovery error. Called outside exception handling, it raises.
+
+        Raises:
+            FSDPInternalsError: only when recovery failed and no exception is being handled.
         """
-        for group in internals.iter_param_groups(self.modules):
-            for fp in internals.fsdp_params(group):
-                internals.take_unsharded_grads(fp)
-        reset_any = False
-        for module in self.modules:
-            reset = getattr(module, "reset_iter_state", None)
-            if reset is None:
-                raise internals.FSDPInternalsError(
-                    f"A backward failed and torch {torch.__version__} has no "
-                    "FSDPModule.reset_iter_state() to recover FSDP2; the next step would be wrong. "
-                    "Restart from a checkpoint, or use torch >= 2.12."
-                )
-            try:
-                reset()
-                reset_any = True
-            except RuntimeError:  # not the root FSDP state: reset through the root
-                continue
-        if not reset_any:
-            logger.warning("[Ghost] could not reset FSDP2 iteration state after a failed backward")
+        pending = sys.exc_info()[1]  # the step's own failure, when called while handling it
+        try:
+            internals.reset_after_failure(self.modules)
+        except Exception as err:
+            self._cleanup_failed(err, pending, "recovering FSDP2 after a failed step")
+
+    def _cleanup_failed(self, err: Exception, pending: BaseException | None, feature: str) -> None:
+        """Reports a failed cleanup: raised if nothing else is, else attached to what is."""
+        self._broken = _versioned(err, feature)
+        if pending is None:
+            if self._broken is err:
+                raise
+            raise self._broken from err
+        _attach(pending, self._broken)
+        logger.error("[Ghost] %s", self._broken, exc_info=(type(err), err, err.__traceback__))
+
+
+def _versioned(err: Exception, feature: str) -> version_gate.TorchInternalsError:
+    """The versioned error for a failed cleanup (``err`` itself when it is one)."""
+    if isinstance(err, version_gate.TorchInternalsError):
+        return err
+    out = version_gate.internals_error(
+        feature,
+        f"a cleanup that works (it raised {type(err).__name__}: {err})",
+        "The next step would be wrong: restart from a checkpoint.",
+        cls=internals.FSDPInternalsError,
+    )
+    out.__cause__ = err
+    return out
+
+
+def _attach(pending: BaseException, error: Exception) -> None:
+    """Records a cleanup failure on the exception that is propagating, without replacing it."""
+    note = f"While recovering from this error, opacus_fsdp_sync also failed: {error}"
+    if hasattr(pending, "add_note"):  # Python >= 3.11
+        pending.add_note(note)
+    try:
+        pending.__opacus_abort_error__ = error
+    except AttributeError:  # an exception type with __slots__
+        pass
 
 
 def _drop_grad(param: nn.Parameter) -> None:
@@ -223,8 +278,24 @@ class FSDP1Controller:
             self._previous = None
 
     def abort(self) -> None:
-        """Puts every state back to IDLE (a one-backward hand-off may have raised midway)."""
-        fsdp1.end_backward_after_failure(self.root)
+        """Puts every state back to IDLE (a one-backward hand-off may have raised midway).
+
+        As :meth:`FSDP2Controller.abort`, a failure here never replaces the error being handled.
+
+        Raises:
+            FSDPInternalsError: only when that failed and no exception is being handled.
+        """
+        pending = sys.exc_info()[1]
+        try:
+            fsdp1.end_backward_after_failure(self.root)
+        except Exception as err:
+            broken = _versioned(err, "recovering FSDP1 after a failed step")
+            if pending is None:
+                if broken is err:
+                    raise
+                raise broken from err
+            _attach(pending, broken)
+            logger.error("[Ghost] %s", broken, exc_info=(type(err), err, err.__traceback__))
 
 
 def make_controller(

@@ -1,7 +1,8 @@
 """Where each API keeps a parameter's gradient, and one microbatch's gradients by name.
 
 FSDP2 leaves the sharded ``param.grad`` as None while gradient sync is off: the full, unsharded
-gradient lives on the ``FSDPParam`` (see :mod:`opacus_fsdp_sync.distributed._fsdp2_internals`).
+gradient lives on the ``FSDPParam``, in a place that changed in torch 2.15 (see
+:mod:`opacus_fsdp_sync.distributed._fsdp2_internals`, which hides it).
 FSDP1 (``use_orig_params=True``) exposes it as views into the flat parameter's unsharded
 gradient, DDP and a single device as ``param.grad``. This module hides the difference: names are
 the user's own parameter names (wrapper prefixes removed), the same on every API.
@@ -102,13 +103,6 @@ def _fsdp1_owned(layout: GradLayout) -> dict[int, object]:
     }
 
 
-def _merge(slot_grad: torch.Tensor | None, acc: torch.Tensor | None) -> torch.Tensor | None:
-    """One tensor from FSDP2's ``(unsharded grad, accumulated grad)`` pair (no copy if one)."""
-    if slot_grad is None or acc is None:
-        return acc if slot_grad is None else slot_grad
-    return acc + slot_grad.to(acc.dtype)
-
-
 def unsynced_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's unsynchronised (unsharded, accumulated) gradient of each parameter.
 
@@ -130,10 +124,7 @@ def unsynced_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     if layout.api == FSDP2:
         for name, fsdp_param in _fsdp2_slots(layout).items():
             managed.add(name)
-            param = internals.unsharded_param(fsdp_param)
-            grad = _merge(
-                None if param is None else param.grad, fsdp_param.unsharded_accumulated_grad
-            )
+            grad = internals.unsynced_grad(fsdp_param)
             if grad is not None:
                 out[name] = grad
     elif layout.api == FSDP1:
@@ -215,7 +206,7 @@ class _PlainStash:
 
 
 class _FSDP2Stash:
-    """FSDP2's unsharded gradients (``_unsharded_param.grad`` and the accumulated one)."""
+    """FSDP2's unsharded gradients, as the opaque pairs of ``take_unsharded_grads``."""
 
     def __init__(self, layout: GradLayout):
         self.slots = _fsdp2_slots(layout)
@@ -231,7 +222,7 @@ class _FSDP2Stash:
         new: dict[str, torch.Tensor] = {}
         for name, fsdp_param in self.slots.items():
             grad, acc = internals.take_unsharded_grads(fsdp_param)
-            merged = _merge(grad, acc)
+            merged = internals.merge_unsharded_grads((grad, acc))
             if merged is not None:
                 new[name] = merged
             old_grad, old_acc = self.old[name]
