@@ -73,3 +73,17 @@ def test_readme_quickstart_example_runs_with_poisson_sampling():
     assert proc.returncode == 0
     assert "epsilon" in proc.stdout
     assert "[Ghost] sampling: shared Poisson draw" in proc.stdout + proc.stderr
+
+
+def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
+    data = tmp_path / "data.jsonl"
+    lines = [json.dumps({"text": f"the number {i} follows {i - 1} and precedes {i + 1}."})
+             for i in range(300)]  # fmt: skip
+    data.write_text("\n".join(lines))
+    summary, rows, stdout = _train(
+        tmp_path / "out", "--data", str(data), "--target-epsilon", "4", "--epochs", "1",
+        "--batch-size", "16", "--eval-every", "5", nproc=1,
+    )  # fmt: skip
+    assert summary["world_size"] == 1 and summary["steps"] > 0
+    assert summary["epsilon"] == pytest.approx(4.0, rel=0.05)  # the noise was chosen for it
+    assert "[Ghost] sampling: Opacus's Poisson sampler (one process)" in stdout

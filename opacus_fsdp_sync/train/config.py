@@ -38,7 +38,7 @@ class TrainConfig:
     lora_alpha: float = 16.0
     """LoRA scaling numerator."""
     fsdp_api: str = "fsdp2"
-    """``fsdp2``, ``fsdp1`` or ``ddp``."""
+    """``fsdp2``, ``fsdp1`` or ``ddp`` (several ranks; one process trains the plain model)."""
     strategy: str = "full"
     """``ShardingConfig.strategy``."""
     mixed_precision: str = "auto"

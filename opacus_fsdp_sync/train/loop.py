@@ -134,7 +134,10 @@ def _build(cfg: TrainConfig, device: torch.device):
     return model
 
 
-def _shard(cfg: TrainConfig, model: nn.Module, device: torch.device) -> nn.Module:
+def _shard(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) -> nn.Module:
+    """The model sharded (or replicated) across ranks; on one process, as it is."""
+    if world == 1:
+        return model.to(device)
     precision = cfg.mixed_precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
@@ -164,7 +167,7 @@ def train(cfg: TrainConfig) -> dict:
     model = _build(cfg, device)
     train_set, heldout = _datasets(cfg, model.config.vocab_size)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    model = _shard(cfg, model, device)
+    model = _shard(cfg, model, device, world)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     engine = PrivacyEngine(timing=cfg.timing)
     common = dict(
@@ -174,7 +177,7 @@ def train(cfg: TrainConfig) -> dict:
         data_loader=DataLoader(train_set, batch_size=cfg.batch_size),
         max_grad_norm=cfg.max_grad_norm,
         poisson_sampling=cfg.poisson_sampling,
-        grad_sample_mode="ghost" if cfg.fsdp_api == "ddp" or world == 1 else "ghost_fsdp",
+        grad_sample_mode="ghost_fsdp" if world > 1 and cfg.fsdp_api != "ddp" else "ghost",
     )
     torch.manual_seed(cfg.seed)  # rank 0's draw of the sampler's shared seed
     if cfg.target_epsilon is not None:
