@@ -87,3 +87,26 @@ def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
     assert summary["world_size"] == 1 and summary["steps"] > 0
     assert summary["epsilon"] == pytest.approx(4.0, rel=0.05)  # the noise was chosen for it
     assert "[Ghost] sampling: Opacus's Poisson sampler (one process)" in stdout
+
+
+def test_local_hugging_face_model_and_tokenizer(tmp_path):
+    """A model directory as users keep one: weights and a tokenizer, loaded without a hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+
+    words = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "model"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]") \
+        .save_pretrained(path)  # fmt: skip
+    build_llama(LlamaSpec(preset="tiny")).save_pretrained(path)
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(" ".join(f"w{(i + j) % 40}" for j in range(12)) for i in range(200)))
+    summary, rows, stdout = _train(
+        tmp_path / "out", "--model-path", str(path), "--data", str(text), "--max-steps", "4",
+        "--eval-every", "2", nproc=1,
+    )  # fmt: skip
+    assert summary["steps"] == 4 and rows[0]["heldout_loss"] > 0

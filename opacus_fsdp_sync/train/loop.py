@@ -129,6 +129,7 @@ def _build(cfg: TrainConfig, device: torch.device):
     spec = LlamaSpec(preset=cfg.model, task=cfg.task, model_path=cfg.model_path)
     torch.manual_seed(cfg.seed)
     model = build_llama(spec)
+    model.train()  # from_pretrained returns it in eval mode, which Opacus refuses
     if cfg.lora:
         model = apply_lora(model, cfg)
     return model
