@@ -20,7 +20,7 @@ import math
 import opacus.utils.batch_memory_manager as bmm
 from torch.utils.data import DataLoader, Sampler
 
-from .poisson import SharedPoissonSampler, physical_batches
+from .poisson import SharedPoissonSampler, physical_batches, worker_settings
 
 _opacus_wrap_data_loader = bmm.wrap_data_loader
 
@@ -79,14 +79,8 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
         batch_sampler=EqualCountSplittingSampler(
             sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer
         ),
-        num_workers=data_loader.num_workers,
         collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
-        prefetch_factor=data_loader.prefetch_factor,
-        persistent_workers=data_loader.persistent_workers,
+        **worker_settings(data_loader),
     )
 
 

@@ -250,18 +250,23 @@ class SharedPoissonDataLoader(DataLoader):
             steps,
             world,
         )
-        return cls(
-            dataset,
-            sampler=sampler,
-            collate_fn=collate,
-            num_workers=data_loader.num_workers,
-            pin_memory=data_loader.pin_memory,
-            timeout=data_loader.timeout,
-            worker_init_fn=data_loader.worker_init_fn,
-            multiprocessing_context=data_loader.multiprocessing_context,
-            prefetch_factor=data_loader.prefetch_factor,
-            persistent_workers=data_loader.persistent_workers,
+        return cls(dataset, sampler=sampler, collate_fn=collate, **worker_settings(data_loader))
+
+
+def worker_settings(data_loader: DataLoader) -> dict:
+    """The loader's settings that a loader rebuilt over another batch sampler keeps."""
+    return {
+        name: getattr(data_loader, name)
+        for name in (
+            "num_workers",
+            "pin_memory",
+            "timeout",
+            "worker_init_fn",
+            "multiprocessing_context",
+            "prefetch_factor",
+            "persistent_workers",
         )
+    }
 
 
 def physical_batches(global_count: int, world_size: int, max_batch_size: int) -> int:
