@@ -208,8 +208,11 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         if tracking and not restricted:
             self.module.forget_pass()
         if first_error is not None:
-            self._clean_up_failed_step(first_error, tracking)
-            raise first_error
+            try:  # cleaned up while the error is being handled, as the controllers expect
+                raise first_error
+            except BaseException:
+                self._clean_up_failed_step(first_error, tracking)
+                raise
         try:
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
