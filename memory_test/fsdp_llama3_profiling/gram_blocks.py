@@ -8,8 +8,8 @@ Reports the Gram FLOPs (PyTorch's FLOP counter) and the median time per call (CU
 
 Example::
 
-    python3 gram_blocks.py --preset llama3.2-1b --seq-lengths 512 1024 2048 --blocks 0 256 512
-    python3 gram_blocks.py --out results/<folder>   # also gram_blocks.json / .md / .png
+    python gram_blocks.py --preset llama3.2-1b --seq-lengths 512 1024 2048 --blocks 0 256 512
+    python gram_blocks.py --out results/<folder>   # also gram_blocks.json / .md / .png
 """
 
 from __future__ import annotations
