@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import opacus
 import torch
+from opacus.data_loader import DPDataLoader
 
 from .backward import GhostStepContext, SyncDPLoss
 from .block_gram import describe_block
@@ -25,6 +26,7 @@ from .grad_sample import ghost_class
 from .norm_tuner import make_norm_tuner
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
+from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
 from .tied import find_shared_parameters
 
@@ -59,16 +61,43 @@ class _CallPlan:
     expected batch per rank must be the distributed ones."""
 
 
-def _count_steps_in(optimizer, sampler: SharedPoissonSampler) -> None:
-    """Advances ``sampler`` on every logical step the DP optimizer takes (after accounting)."""
+def _account_draws(accountant, optimizer, sampler: SharedPoissonSampler, on_step) -> None:
+    """The accountant counts every draw ``sampler`` hands out, when it hands it out.
+
+    Opacus counts optimizer steps: a draw consumed without a step (skipped after an error, or
+    accumulated by hand) was never counted. Here each draw counts once, step or not, and an
+    optimizer step on a draw that already had one (the same examples released twice) counts
+    once more, with a warning. ``on_step`` is called on every step taken.
+    """
+    q = sampler.sample_rate
+
+    def on_draw(_count: int) -> None:
+        accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=q)
+
+    def step_hook(opt) -> None:
+        on_step()
+        if not sampler.step_taken():
+            logger.warning(
+                "[Ghost] a second optimizer step on the same Poisson draw: its examples are "
+                "released twice, so the accountant counts one more step. Draw a new batch "
+                "(next(iter(loader))) for every step."
+            )
+            accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=q)
+
+    sampler.on_draw = on_draw
+    optimizer.step_hook = step_hook
+
+
+def _count_steps(optimizer, on_step) -> None:
+    """Calls ``on_step`` after the step hook Opacus attached (its accountant's)."""
     account = optimizer.step_hook
 
-    def hook(opt) -> None:
+    def step_hook(opt) -> None:
         if account is not None:
             account(opt)
-        sampler.step_completed()
+        on_step()
 
-    optimizer.step_hook = hook
+    optimizer.step_hook = step_hook
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -83,7 +112,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     Args:
         accountant: As in Opacus (``"prv"``, ``"rdp"``, ``"gdp"``).
-        secure_mode: As in Opacus.
+        secure_mode: As in Opacus: noise and Poisson draws from the OS CSPRNG itself.
+        dp_seed: None (the default): the Poisson sampler's and every noise generator's seed
+            come from OS entropy, independent of ``torch.manual_seed`` and of every other run.
+            An integer: the only way to make the draws and the noise reproducible (tests,
+            benchmarks); logged as a warning, since the run's privacy then rests on the seed
+            staying secret. Not with ``secure_mode``. See :mod:`opacus_fsdp_sync.randomness`.
         **options: Fields of :class:`~opacus_fsdp_sync.options.GhostOptions`
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
             ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
@@ -91,9 +125,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
             ``tune_norms_cache``, ``timing``).
     """
 
-    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, **options):
-        super().__init__(accountant=accountant, secure_mode=secure_mode)
+    def __init__(
+        self,
+        *,
+        accountant: str = "prv",
+        secure_mode: bool = False,
+        dp_seed: int | None = None,
+        **options,
+    ):
+        if secure_mode and dp_seed is not None:
+            raise ValueError(
+                "secure_mode=True draws from the OS CSPRNG and cannot follow dp_seed; pass one "
+                "of them (dp_seed=None for secure_mode)."
+            )
         self.options = GhostOptions(**options)
+        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        #: The one source of this engine's DP seeds (see :mod:`.randomness`).
+        self.randomness = DPRandomness(dp_seed)
+        #: Optimizer steps taken (not skipped) by the models this engine made private.
+        self.optimizer_steps = 0
+        #: The distributed API of the last model made private (``"fsdp2"``, ``"fsdp1"``,
+        #: ``"ddp"``; None on one device).
+        self.distributed_api: str | None = None
         self._call_overrides: dict = {}
         self._context: GhostStepContext | None = None
         self.sync_api: str | None = None
@@ -194,11 +247,17 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self._plan = _CallPlan()
         sampler = getattr(made[-1], "batch_sampler", None)
         if isinstance(sampler, SharedPoissonSampler):
-            _count_steps_in(made[1], sampler)
+            _account_draws(self.accountant, made[1], sampler, self._step_taken)
+        else:
+            _count_steps(made[1], self._step_taken)
+        self.distributed_api = get_fsdp_root_module(made[0]).api
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
         return made
+
+    def _step_taken(self) -> None:
+        self.optimizer_steps += 1
 
     def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
         """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
@@ -251,29 +310,38 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _prepare_data_loader(
         self, data_loader, *, poisson_sampling, distributed, batch_first=True, rand_on_empty=False
     ):
-        """The data loader: distributed wherever the layout is (see :mod:`.layout`).
+        """The data loader, its Poisson draws seeded from :attr:`randomness`.
 
-        Ghost modes on several ranks with Poisson sampling get the shared draw
-        (:mod:`.sampling`): every rank the same logical and physical steps, the global batch a
-        single-process Poisson sample. Elsewhere Opacus's loader. The log says which.
+        Ghost modes with Poisson sampling get the shared draw (:mod:`.sampling`) on any number
+        of ranks: every rank the same logical and physical steps, the global batch a
+        single-process Poisson sample, every draw handed out once and counted by the
+        accountant as it is. Other modes get Opacus's Poisson loader, its generator from
+        :attr:`randomness` (Opacus would draw from torch's global generator). The log says which.
         """
         distributed = distributed or self._plan.missed_distributed
-        if poisson_sampling and distributed and self._plan.ghost:
+        if poisson_sampling and self._plan.ghost:
             if self.dataset is None:
                 self.dataset = data_loader.dataset
             return SharedPoissonDataLoader.from_data_loader(
                 data_loader,
-                secure=self.secure_mode,
+                seed=self.randomness.shared_seed("sampler"),
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
         if self._plan.ghost:
             logger.info(
-                "[Ghost] sampling: %s",
-                "Opacus's Poisson sampler (one process)"
-                if poisson_sampling
-                else "fixed batches (poisson_sampling=False): the reported epsilon assumes "
-                "Poisson sampling and does not hold for this run",
+                "[Ghost] sampling: fixed batches (poisson_sampling=False): the reported epsilon "
+                "assumes Poisson sampling and does not hold for this run"
+            )
+        if poisson_sampling and not self.secure_mode:
+            if self.dataset is None:
+                self.dataset = data_loader.dataset
+            return DPDataLoader.from_data_loader(
+                data_loader,
+                generator=self.randomness.generator("sampler", torch.device("cpu")),
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
             )
         return super()._prepare_data_loader(
             data_loader,
@@ -282,6 +350,28 @@ class PrivacyEngine(opacus.PrivacyEngine):
             batch_first=batch_first,
             rand_on_empty=rand_on_empty,
         )
+
+    def _noise_generator(self, optimizer, given):
+        """The noise generator: ``secure_rng``, the user's ``noise_generator``, or ours.
+
+        Ours is seeded from :attr:`randomness` (OS entropy unless ``dp_seed``), the same on
+        every rank, on the parameters' device; never torch's global generator.
+        """
+        if self.secure_mode:
+            return self.secure_rng
+        if given is not None:
+            logger.warning(
+                "[Ghost] noise_generator was passed: the noise is reproducible from its state, "
+                "and the run's privacy rests on that state staying secret."
+            )
+            return given
+        device = torch.device("cpu")
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                device = p.device
+                break
+            break
+        return self.randomness.generator("noise", device)
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or ours where the distributed API already reduced gradients.
@@ -303,10 +393,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
             kwargs["expected_batch_size"] /= world_size()
             kwargs["distributed"] = True
         choice = self._plan.optimizer
-        if choice is None or kwargs.get("clipping") != "flat":
-            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         inner = getattr(optimizer, "original_optimizer", optimizer)
-        generator = self.secure_rng if self.secure_mode else kwargs.get("noise_generator")
+        generator = self._noise_generator(inner, kwargs.get("noise_generator"))
+        if choice is None or kwargs.get("clipping") != "flat":
+            kwargs["noise_generator"] = None if self.secure_mode else generator
+            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
         if choice == "fsdp2":

@@ -137,7 +137,7 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
     assert res["same_fresh_False"][0] is None and res["same_fresh_False"][1], res
     three = run_ranks(wp.bad_checkpoints, 3, path, timeout=300)[0]
     message, _ = three["same_fresh_False"]
-    assert "saved on 2 rank(s)" in message and "fresh_noise=True" in message, message
+    assert "world_size: saved 2, now 3" in message and "fresh_noise=True" in message, message
     message, history = three["same_fresh_True"]
     assert message is None and history == res["same_fresh_False"][1]  # the accountant goes on
 

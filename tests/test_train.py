@@ -86,7 +86,8 @@ def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
     )  # fmt: skip
     assert summary["world_size"] == 1 and summary["steps"] > 0
     assert summary["epsilon"] == pytest.approx(4.0, rel=0.05)  # the noise was chosen for it
-    assert "[Ghost] sampling: Opacus's Poisson sampler (one process)" in stdout
+    # one process takes the same sampler as several (draws handed out once, counted as drawn)
+    assert "[Ghost] sampling: shared Poisson draw" in stdout and "across 1 rank(s)" in stdout
 
 
 def test_local_hugging_face_model_and_tokenizer(tmp_path):

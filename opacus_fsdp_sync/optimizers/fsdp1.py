@@ -35,6 +35,14 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
 
+    def reseed_noise(self) -> None:
+        """Fresh per-rank streams from OS entropy (collective); secure noise has no stream."""
+        if self.secure_mode:
+            return
+        self._drop_prefetched()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.generator = shard_generator(None, device, (dist.get_rank(),))
+
     def _owned(self) -> tuple[list, list[dict]]:
         """The held parameters and their ``grad_state`` entries.
 

@@ -19,6 +19,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.distributed.tensor import DTensor
 
 from ..distributed._fsdp2_internals import swap_local
+from ..randomness import broadcast_seed, os_seed
 from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
@@ -38,20 +39,22 @@ def shard_coordinate(params) -> tuple[int, ...]:
 
 
 def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]):
-    """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate."""
-    base = torch.randint(
-        0,
-        2**62,
-        (1,),
-        generator=generator,
-        dtype=torch.int64,
-        device=generator.device if generator is not None else "cpu",
-    ).cpu()
-    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    base = base.to(comm)
-    dist.broadcast(base, src=0)
-    seed = (int(base.item()) ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate.
+
+    Rank 0's seed is drawn from ``generator`` (the engine's, see :mod:`...randomness`), or from
+    OS entropy when it is None, never from torch's global generator. Collective.
+    """
+    if generator is None:
+        seed = os_seed()
+    else:
+        seed = int(
+            torch.randint(
+                0, 2**62, (1,), generator=generator, dtype=torch.int64, device=generator.device
+            ).item()
+        )
+    base = broadcast_seed(seed, device)
+    mixed = (base ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
@@ -79,6 +82,12 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
             )
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(generator, device, shard_coordinate(self.params))
+
+    def reseed_noise(self) -> None:
+        """Fresh per-shard streams from OS entropy (collective); noise drawn ahead is dropped."""
+        self._drop_prefetched()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.generator = shard_generator(None, device, shard_coordinate(self.params))
 
     @torch.no_grad()
     def accumulate(self) -> None:

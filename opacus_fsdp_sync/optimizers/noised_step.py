@@ -73,7 +73,19 @@ def add_scaled_into(noises: list[torch.Tensor], grads: list[torch.Tensor], facto
 
 
 class ScaledWithNoise:
-    """Mixin: ``scale_grad`` does nothing after an ``add_noise`` that scaled (set ``_scaled``)."""
+    """Mixin: ``scale_grad`` does nothing after an ``add_noise`` that scaled (set ``_scaled``).
+
+    The base of this package's DP optimizers: each also knows how to restart its noise streams
+    from fresh OS entropy (:meth:`reseed_noise`).
+    """
+
+    def reseed_noise(self) -> None:
+        """Restarts every noise stream from OS entropy, dropping noise drawn ahead.
+
+        Collective (rank 0's seed is broadcast). A resume that must not continue the saved
+        streams (``fresh_noise=True``) calls it.
+        """
+        raise NotImplementedError
 
     def scale_grad(self) -> None:
         """Nothing when ``add_noise`` scaled already (always, in a step); else Opacus's division."""
@@ -150,6 +162,12 @@ class FlatNoiseStep(ScaledWithNoise):
             for state in self._param_states()[1]:
                 state["summed_grad"] = None
         self.original_optimizer.zero_grad(set_to_none)
+
+    def _drop_prefetched(self) -> None:
+        """Joins and discards noise drawn ahead (before the generator is replaced)."""
+        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
+        if prefetched is not None:
+            prefetched.take(prefetched.std)
 
     def prefetch_noise(self) -> None:
         """Starts drawing the next step's noise now, to overlap the backward.

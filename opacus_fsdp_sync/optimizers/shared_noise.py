@@ -11,13 +11,12 @@ single process on the global batch with the same generator.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
 
+from ..randomness import os_seed
 from .noised_step import ScaledWithNoise, add_scaled_into, add_to_sum, optimizer_noise_plan
 
 
@@ -69,6 +68,14 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         self.world_size = dist.get_world_size()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = _shared_generator(generator, device)
+
+    def reseed_noise(self) -> None:
+        """A fresh shared stream from OS entropy on rank 0 (collective); drops noise drawn ahead."""
+        pending, self._prefetched = getattr(self, "_prefetched", None), None
+        if pending is not None:
+            pending[1].result()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.generator = _shared_generator(None, device)
 
     def _draw(self, std: float) -> list[torch.Tensor]:
         """One noise tensor per parameter, in parameter order (Opacus's own draw, at ``std``)."""
@@ -148,7 +155,7 @@ def _shared_generator(generator: torch.Generator | None, device: torch.device) -
                     ).item()
                 )
                 if generator is not None
-                else int.from_bytes(os.urandom(8), "little") % 2**62  # leaves torch's RNG alone
+                else os_seed()  # never torch's global generator
             )
             shared.manual_seed(seed)
     state = shared.get_state()

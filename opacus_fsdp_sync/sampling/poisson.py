@@ -7,17 +7,24 @@ from a seed that rank 0 broadcasts once, and takes an even share of it (local si
 most one). The global batch is exactly a single-process Poisson sample, so the single-process
 accounting holds; an empty draw is still a step.
 
-Step ``t``'s draw depends only on the seed and ``t`` (a generator seeded from both), so the
-sampler's state is the seed and the number of completed logical steps: a checkpoint restores it
-exactly, whatever a data loader's workers had prefetched.
+Step ``t``'s draw depends only on the seed and ``t`` (a generator seeded from both). The sampler
+advances by draws *handed out*, never by optimizer steps: each draw is used at most once, whether
+or not a step followed it (a step skipped after an out-of-memory error, a batch consumed by hand).
+Its state is the seed and the number of draws handed out, so a checkpoint restores it exactly.
+Each draw handed out is reported to :attr:`SharedPoissonSampler.on_draw` (the engine's
+accountant counts it there): a skipped step costs the privacy of a step taken. With a data
+loader's worker processes, draws prefetched but never consumed are counted too (an over-count,
+never an under-count).
+
+The seed comes from :mod:`..randomness` (OS entropy, or the engine's explicit ``dp_seed``); it
+is secret: whoever knows it knows every draw.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,38 +32,21 @@ from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from ..randomness import broadcast_seed, os_seed, splitmix64
+
 logger = logging.getLogger(__name__)
 
-_MASK64 = 2**64 - 1
+def shared_seed(*, secure: bool = True, device: torch.device | None = None) -> int:
+    """A seed from OS entropy on rank 0, broadcast to every rank (never logged).
 
-
-def _mix(seed: int, step: int) -> int:
-    """SplitMix64 of (seed, step): well-spread, distinct generator seeds for distinct steps."""
-    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & (2**63 - 1)
-
-
-def shared_seed(*, secure: bool, device: torch.device | None = None) -> int:
-    """A seed drawn on rank 0 and broadcast to every rank (never logged).
+    Collective: every rank must call it.
 
     Args:
-        secure: Draw it from the OS CSPRNG (``secrets``) instead of torch's default generator.
+        secure: Kept for callers of earlier releases; every seed comes from the OS CSPRNG.
         device: Where the broadcast tensor lives (NCCL needs a CUDA tensor).
     """
-    seed = secrets.randbits(63) if secure else int(torch.randint(0, 2**63 - 1, ()).item())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if (dist.get_backend() == "nccl")
-                else torch.device("cpu")
-            )
-        t = torch.tensor([seed], dtype=torch.int64, device=device)
-        dist.broadcast(t, src=0)
-        seed = int(t.item())
-    return seed
+    del secure
+    return broadcast_seed(os_seed(), device)
 
 
 class SharedPoissonSampler(Sampler[list[int]]):
@@ -91,9 +81,22 @@ class SharedPoissonSampler(Sampler[list[int]]):
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.num_samples, self.sample_rate, self.steps = num_samples, sample_rate, steps
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        #: Logical steps completed (advanced by the DP optimizer's step, see
-        #: :meth:`step_completed`); the next iteration starts there.
-        self.completed = 0
+        #: Draws handed out so far: the next draw's index. Never goes back.
+        self.handed_out = 0
+        #: ``handed_out`` at the last optimizer step (see :meth:`step_taken`).
+        self._stepped_at = 0
+        #: Called with the global count of each draw as it is handed out (the engine's
+        #: accountant); None: nobody counts.
+        self.on_draw: Callable[[int], None] | None = None
+
+    @property
+    def completed(self) -> int:
+        """Draws handed out (earlier name of :attr:`handed_out`)."""
+        return self.handed_out
+
+    @completed.setter
+    def completed(self, value: int) -> None:
+        self.handed_out = self._stepped_at = int(value)
 
     def __len__(self) -> int:
         return self.steps
@@ -108,7 +111,7 @@ class SharedPoissonSampler(Sampler[list[int]]):
         n, q = self.num_samples, self.sample_rate
         if q >= 1.0:
             return torch.arange(n)
-        g = torch.Generator().manual_seed(_mix(self.seed, step))
+        g = torch.Generator().manual_seed(splitmix64(self.seed, step))
         expected = n * q
         chunk = int(expected + 6 * math.sqrt(expected) + 16)
         log_keep = math.log1p(-q)
@@ -128,31 +131,45 @@ class SharedPoissonSampler(Sampler[list[int]]):
         return selected.tensor_split(self.world_size)[self.rank].tolist()
 
     def draws(self) -> Iterator[tuple[list[int], int]]:
-        """``(local indices, global count)`` for the rest of the current epoch."""
-        start = self.completed
-        first = start % self.steps
-        for i in range(self.steps - first):
-            selected = self.global_draw(start + i)
-            yield self.local_share(selected), int(selected.numel())
+        """``(local indices, global count)`` for the rest of the current epoch.
+
+        Each draw is taken as it is handed out: the next one is always the first never handed
+        out, whichever iterator asks (an abandoned or concurrent iterator never repeats a draw).
+        """
+        end = (self.handed_out // self.steps + 1) * self.steps
+        while self.handed_out < end:
+            step = self.handed_out
+            self.handed_out += 1
+            selected = self.global_draw(step)
+            count = int(selected.numel())
+            if self.on_draw is not None:
+                self.on_draw(count)
+            yield self.local_share(selected), count
 
     def __iter__(self) -> Iterator[list[int]]:
         for local, _ in self.draws():
             yield local
 
-    def step_completed(self) -> None:
-        """Called once per logical step that the DP optimizer took."""
-        self.completed += 1
+    def step_taken(self) -> bool:
+        """Records an optimizer step; False when a step was already taken on the current draw.
+
+        A second step without a new draw releases the same examples twice: the engine counts
+        it as one more step and warns.
+        """
+        fresh = self._stepped_at != self.handed_out
+        self._stepped_at = self.handed_out
+        return fresh
 
     @property
     def epoch(self) -> int:
         """Epochs completed."""
-        return self.completed // self.steps
+        return self.handed_out // self.steps
 
     def state_dict(self) -> dict:
         """What restores this sampler exactly (the seed is secret: keep checkpoints private)."""
         return {
             "seed": self.seed,
-            "completed": self.completed,
+            "handed_out": self.handed_out,
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
@@ -173,7 +190,8 @@ class SharedPoissonSampler(Sampler[list[int]]):
                     "Resume with the same data loader (dataset and batch_size) as the run that "
                     "saved it."
                 )
-        self.seed, self.completed = int(state["seed"]), int(state["completed"])
+        self.seed = int(state["seed"])
+        self.handed_out = self._stepped_at = int(state["handed_out"])
 
 
 class SharedPoissonDataLoader(DataLoader):
@@ -193,7 +211,8 @@ class SharedPoissonDataLoader(DataLoader):
         cls,
         data_loader: DataLoader,
         *,
-        secure: bool,
+        seed: int | None = None,
+        secure: bool = True,
         batch_first: bool = True,
         rand_on_empty: bool = False,
     ) -> SharedPoissonDataLoader:
@@ -201,9 +220,18 @@ class SharedPoissonDataLoader(DataLoader):
 
         Collective: every rank must call it (rank 0's seed is broadcast).
 
+        Args:
+            data_loader: The user's loader (its dataset, length and worker settings).
+            seed: The sampler's seed, the same on every rank (the engine's, from
+                :mod:`..randomness`); None draws one from OS entropy on rank 0.
+            secure: Kept for callers of earlier releases (seeds always come from OS entropy).
+            batch_first: As in Opacus.
+            rand_on_empty: As in Opacus.
+
         Raises:
             ValueError: for an iterable dataset, one without ``len``, or an empty one.
         """
+        del secure
         dataset = data_loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError(
@@ -228,7 +256,7 @@ class SharedPoissonDataLoader(DataLoader):
             num_samples=n,
             sample_rate=1 / steps,
             steps=steps,
-            seed=shared_seed(secure=secure),
+            seed=shared_seed() if seed is None else seed,
             rank=rank,
             world_size=world,
         )

@@ -2,28 +2,39 @@
 
 Model and optimizer state alone restart the accountant (epsilon under-reported from then on),
 the noise generators and the sampler. This module gathers, per rank: the accountant's history,
-every noise generator's state (the DP optimizer's own generator, and torch's default generator,
-which Opacus's optimizers draw from when given none), the shared Poisson sampler's seed and
-position, and the settings that change the result; and restores them, refusing a checkpoint of
-another configuration.
+every noise generator's state, the shared Poisson sampler's seed and position, the settings that
+change the result, and the layout that shapes the noise streams (distributed API, world size,
+optimizer, each trainable parameter's mesh, dimension names and placement); and restores them,
+refusing a checkpoint of another configuration.
 
-Resuming on a different world size: the accountant and the sampler continue exactly (the draw is
-global), but the noise streams are per rank and shard, so the continuation cannot be the same
-run. :func:`restore_dp_state` refuses unless ``fresh_noise=True``, which keeps the accountant and
-sampler and lets each rank's noise generator start from a fresh seed (privacy unchanged, the
-exact continuation lost).
+The rule for noise: a resume on the *same layout* continues the saved streams, which is sound
+only because nothing computed after the checkpoint was released (an update, a metric, an export
+made after the checkpoint and then discarded saw noise the resumed run draws again: keep such
+outputs private, or resume with ``fresh_noise=True``). On another layout the saved streams would
+be replayed onto other coordinates (one rank's stream onto another's shard, a DDP stream onto
+every FSDP shard), so the load is refused, naming what differs, unless ``fresh_noise=True``:
+the accountant and the sampler continue exactly (the draw is global) and every noise generator
+restarts from OS entropy (:mod:`..randomness`), on any layout, logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-#: Format of the saved DP state; bumped when its content changes.
-DP_STATE_VERSION = 1
+from ..optimizers.noised_step import ScaledWithNoise
+from ..randomness import DPRandomness
+
+logger = logging.getLogger(__name__)
+
+#: Format of the saved DP state; bumped when its content changes (2: the noise layout, draws
+#: handed out).
+DP_STATE_VERSION = 2
 
 
 class CheckpointMismatchError(ValueError):
@@ -67,6 +78,46 @@ def _generator_state(optimizer) -> torch.Tensor | None:
         return None
 
 
+def _placement(p: torch.Tensor) -> dict:
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        return {
+            "shape": list(p.shape),
+            "local_shape": list(p.to_local().shape),
+            "mesh": list(mesh.shape),
+            "mesh_dims": list(mesh.mesh_dim_names or ()),
+            "placements": [str(pl) for pl in p.placements],
+        }
+    return {"shape": list(p.shape), "local_shape": list(p.shape)}
+
+
+def noise_layout(engine, optimizer) -> dict:
+    """What shapes this rank's noise streams: API, world size, optimizer, every placement."""
+    rank, world = _rank_world()
+    return {
+        "api": engine.distributed_api or "single device",
+        "world_size": world,
+        "rank": rank,
+        "optimizer": type(optimizer).__name__,
+        "parameters": [_placement(p) for p in optimizer.params],
+    }
+
+
+def _layout_difference(saved: dict, now: dict) -> str | None:
+    """The first difference between two :func:`noise_layout` records, in words (None: same)."""
+    for key in ("api", "world_size", "rank", "optimizer"):
+        if saved.get(key) != now.get(key):
+            return f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
+    saved_params, now_params = saved["parameters"], now["parameters"]
+    if len(saved_params) != len(now_params):
+        return f"trainable parameters: saved {len(saved_params)}, now {len(now_params)}"
+    for i, (a, b) in enumerate(zip(saved_params, now_params)):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return f"trainable parameter {i} {key}: saved {a.get(key)!r}, now {b.get(key)!r}"
+    return None
+
+
 def dp_state(engine, optimizer) -> dict:
     """This rank's DP state (see the module docstring).
 
@@ -84,6 +135,7 @@ def dp_state(engine, optimizer) -> dict:
         "accountant": engine.accountant.state_dict(),
         "sampler": None if sampler is None else sampler.state_dict(),
         "noise_generator": _generator_state(optimizer),
+        "layout": noise_layout(engine, optimizer),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
@@ -107,13 +159,14 @@ def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False)
                 "a checkpoint resumes only the configuration that saved it. Make the engine "
                 "and make_private arguments equal to the saved run's."
             )
-    _, world = _rank_world()
-    if state["world_size"] != world and not fresh_noise:
+    difference = _layout_difference(state["layout"], noise_layout(engine, optimizer))
+    if difference is not None and not fresh_noise:
         raise CheckpointMismatchError(
-            f"The checkpoint's DP state was saved on {state['world_size']} rank(s), this run has "
-            f"{world}: the per-rank noise streams cannot continue. Resume on "
-            f"{state['world_size']} rank(s) to continue exactly, or pass fresh_noise=True to "
-            "keep the accountant and sampler and draw the noise from fresh seeds."
+            f"The checkpoint's noise streams belong to another layout ({difference}): "
+            "continuing them here would replay noise onto other coordinates. Resume on the "
+            "saved layout (API, world size, mesh, placements) to continue exactly, or pass "
+            "fresh_noise=True to keep the accountant and sampler and restart every noise "
+            "generator from OS entropy."
         )
     if (getattr(engine, "sampler", None) is None) != (state["sampler"] is None):
         raise CheckpointMismatchError(
@@ -137,27 +190,44 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
         state: What :func:`dp_state` returned on this rank when the checkpoint was saved.
         engine: The engine of the resumed run, after ``make_private`` with the same settings.
         optimizer: Its DP optimizer.
-        fresh_noise: On a different world size, keep the accountant and sampler and leave the
-            noise generators freshly seeded instead of refusing.
+        fresh_noise: Keep the accountant and sampler and restart every noise generator from OS
+            entropy (on any layout; on the saved one too, for a resume whose earlier outputs
+            may have been seen). Collective: every rank must pass the same value.
 
     Raises:
         CheckpointMismatchError: for a checkpoint of another configuration (names the setting),
-            another world size without ``fresh_noise``, or another format version.
+            another layout without ``fresh_noise`` (names what differs), or another format
+            version.
     """
     check_dp_state(state, engine, optimizer, fresh_noise=fresh_noise)
-    _, world = _rank_world()
-    same_world = state["world_size"] == world
     engine.accountant.load_state_dict(state["accountant"])
     sampler = getattr(engine, "sampler", None)
     if sampler is not None:
         sampler.load_state_dict(state["sampler"])
-    if not same_world:
-        return
-    if state["noise_generator"] is not None:
+    same_layout = _layout_difference(state["layout"], noise_layout(engine, optimizer)) is None
+    if same_layout:
+        # torch's generators carry no DP noise (the engine never draws from them), but dropout
+        # and the like continue as in the saved run
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+    if fresh_noise:
+        reseed_noise(engine, optimizer)
+        logger.warning(
+            "[Ghost] fresh_noise=True: every noise generator restarted from OS entropy; the "
+            "accountant and the sampler continue from the checkpoint"
+        )
+    elif state["noise_generator"] is not None:
         optimizer.generator.set_state(state["noise_generator"])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+def reseed_noise(engine, optimizer) -> None:
+    """Restarts ``optimizer``'s noise from OS entropy (collective; secure noise has no state)."""
+    if isinstance(optimizer, ScaledWithNoise):
+        optimizer.reseed_noise()
+    elif not engine.secure_mode:
+        device = optimizer.params[0].device if optimizer.params else torch.device("cpu")
+        optimizer.generator = DPRandomness().generator("noise", device)
 
 
 def dp_state_path(path: str, rank: int) -> str:

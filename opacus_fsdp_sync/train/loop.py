@@ -108,6 +108,7 @@ def heldout_loss(cfg: TrainConfig, model, data: TensorDataset, device, batch: in
 
 
 def _steps_taken(engine: PrivacyEngine) -> int:
+    """Steps the accountant counted: every Poisson draw handed out (a resume starts there)."""
     return sum(entry[-1] for entry in engine.accountant.history)
 
 
@@ -237,14 +238,14 @@ def train(cfg: TrainConfig) -> dict:
             ids, labels = ids.to(device), labels.to(device)
             loss = _loss(cfg, gsm, crit, ids, labels)
             loss.backward()
-            before = _steps_taken(engine)
+            before = engine.optimizer_steps
             opt.step()
             opt.zero_grad(set_to_none=True)
             seen += len(ids)
             tokens += ids.numel()
             if len(ids):
                 run_loss, run_count = run_loss + float(loss) * len(ids), run_count + len(ids)
-            if _steps_taken(engine) == before:
+            if engine.optimizer_steps == before:
                 continue  # a physical batch inside the logical step
             step += 1
             step_ms = (time.perf_counter() - step_start) * 1e3

@@ -1,0 +1,127 @@
+"""Where every seed of DP randomness comes from: OS entropy, unless the user opts in to a seed.
+
+The epsilon the accountant reports assumes that nobody can know which examples a step drew or
+what noise it added. Every seed behind those (the shared Poisson sampler's, each noise
+generator's) is therefore drawn here, from the operating system's CSPRNG (``secrets``): never
+from torch's global generator, so ``torch.manual_seed`` (a user's public ``--seed``) decides model
+initialisation and data order only.
+
+Reproducibility is an explicit opt-in, ``PrivacyEngine(dp_seed=...)``: every DP seed is then
+derived from that one integer and a purpose name, so two runs with the same ``dp_seed`` draw the
+same batches and the same noise. The run's privacy then rests on ``dp_seed`` staying secret (it
+is logged as a warning, never its value). Tests and benchmarks use it to compare runs.
+
+Seeds that every rank must share (the sampler's, a shared noise draw's) are drawn on rank 0 and
+broadcast; the per-shard noise streams mix rank 0's seed with the shard's coordinate
+(:mod:`.optimizers.fsdp2`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = 2**64 - 1
+#: Seeds are non-negative and below 2**63 (what ``torch.Generator.manual_seed`` and an int64
+#: broadcast both take).
+SEED_BITS = 63
+
+REPRODUCIBLE_WARNING = (
+    "[Ghost] dp_seed is set: the Poisson draws and the noise of this run are reproducible from "
+    "it, and its privacy rests on the seed staying secret. Never publish it, never reuse it for "
+    "another run on the same data, and leave it unset (OS entropy) for a release."
+)
+
+
+def splitmix64(seed: int, counter: int) -> int:
+    """SplitMix64 of ``(seed, counter)``: well-spread, distinct seeds for distinct counters.
+
+    Returns a value in ``[0, 2**63)``.
+    """
+    z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & (2**SEED_BITS - 1)
+
+
+def os_seed() -> int:
+    """A fresh seed from the operating system's CSPRNG (independent of torch's generators)."""
+    return secrets.randbits(SEED_BITS)
+
+
+def _purpose_code(purpose: str, index: int) -> int:
+    digest = hashlib.sha256(f"{purpose}#{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _comm_device(device: torch.device | None) -> torch.device:
+    if device is not None and dist.get_backend() == "nccl":
+        return device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_seed(seed: int, device: torch.device | None = None) -> int:
+    """Rank 0's ``seed`` on every rank (a no-op without a process group of several ranks).
+
+    Collective: every rank must call it.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return seed
+    t = torch.tensor([seed], dtype=torch.int64, device=_comm_device(device))
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+class DPRandomness:
+    """The one source of the engine's DP seeds.
+
+    Args:
+        dp_seed: None (the default): every seed from OS entropy. An integer: every seed derived
+            from it and the purpose (reproducible; privacy then rests on it staying secret).
+
+    Raises:
+        ValueError: for a negative ``dp_seed`` or one that is not an integer.
+    """
+
+    def __init__(self, dp_seed: int | None = None):
+        if dp_seed is not None and (
+            isinstance(dp_seed, bool) or not isinstance(dp_seed, int) or dp_seed < 0
+        ):
+            raise ValueError(f"dp_seed must be None or a non-negative int, got {dp_seed!r}")
+        self.dp_seed = dp_seed
+        self._drawn: dict[str, int] = {}
+        if dp_seed is not None:
+            logger.warning(REPRODUCIBLE_WARNING)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether seeds follow ``dp_seed`` (True) or OS entropy (False)."""
+        return self.dp_seed is not None
+
+    def local_seed(self, purpose: str) -> int:
+        """A seed for ``purpose`` on this process (OS entropy, or derived from ``dp_seed``).
+
+        With ``dp_seed``, the n-th seed of a purpose is the same in every run and differs from
+        every other purpose's and from the purpose's other seeds (a second ``make_private``).
+        """
+        index = self._drawn.get(purpose, 0)
+        self._drawn[purpose] = index + 1
+        if self.dp_seed is None:
+            return os_seed()
+        return splitmix64(self.dp_seed, _purpose_code(purpose, index))
+
+    def shared_seed(self, purpose: str, device: torch.device | None = None) -> int:
+        """Rank 0's :meth:`local_seed` on every rank. Collective: every rank must call it."""
+        return broadcast_seed(self.local_seed(purpose), device)
+
+    def generator(self, purpose: str, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` seeded with :meth:`shared_seed` (the same on every rank)."""
+        return torch.Generator(device=device).manual_seed(self.shared_seed(purpose, device))

@@ -1,0 +1,151 @@
+"""DP randomness is a secret: seeds from OS entropy, no draw used twice, no noise replayed.
+
+Poisson sampling is on throughout. Tests that compare runs draw for draw opt in with
+``PrivacyEngine(dp_seed=...)``, the one way to make DP randomness reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.randomness import DPRandomness, splitmix64
+from opacus_fsdp_sync.testing import run_ranks
+from tests import workers_randomness as wr
+from tests.workers_layouts import _base
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1].item()
+
+
+def test_seeds_ignore_torch_manual_seed_unless_dp_seed_is_given(caplog):
+    torch.manual_seed(0)
+    a = DPRandomness().local_seed("sampler")
+    torch.manual_seed(0)
+    b = DPRandomness().local_seed("sampler")
+    assert a != b  # OS entropy: 63 random bits each
+    with caplog.at_level(logging.WARNING):
+        seeded = DPRandomness(11)
+    assert "privacy rests on the seed staying secret" in caplog.text
+    again = DPRandomness(11)
+    firsts = [seeded.local_seed("sampler"), seeded.local_seed("noise")]
+    assert firsts == [again.local_seed("sampler"), again.local_seed("noise")]
+    assert len({*firsts, seeded.local_seed("sampler")}) == 3  # purposes and repeats differ
+    assert splitmix64(11, 0) != splitmix64(11, 1)
+
+
+def test_dp_seed_is_refused_with_secure_mode_and_must_be_an_int():
+    with pytest.raises(ValueError, match="secure_mode=True .* dp_seed"):
+        PrivacyEngine(secure_mode=True, dp_seed=1)
+    with pytest.raises(ValueError, match="dp_seed must be None or a non-negative int"):
+        PrivacyEngine(dp_seed="1")
+
+
+def _one_device(n: int = 40, batch: int = 4):
+    """A one-device model made private with the shared sampler; x[:, 0] is the example index."""
+    x = torch.randn(n, 32)
+    x[:, 0] = torch.arange(n, dtype=torch.float)
+    data = TensorDataset(x, torch.randint(0, 4, (n,)))
+    model = _base()
+    engine = PrivacyEngine()
+    gsm, opt, crit, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(data, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="ghost",
+    )
+    return engine, gsm, opt, crit, loader
+
+
+def _steps_counted(engine) -> int:
+    return sum(entry[-1] for entry in engine.accountant.history)
+
+
+def test_a_skipped_step_never_repeats_a_draw_and_every_draw_is_counted():
+    engine, gsm, opt, crit, loader = _one_device()
+    sampler = engine.sampler
+    seen = []
+    for epoch in range(2):
+        for i, (xb, yb) in enumerate(loader):
+            seen.append(sorted(xb[:, 0].long().tolist()))
+            crit(gsm(xb), yb).backward()
+            if epoch == 0 and i in (2, 5):  # skipped: e.g. recovered from an out-of-memory error
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        if epoch == 0:  # an abandoned iterator: its next draw was never handed out
+            it = iter(loader)
+            next(it)
+            seen.append(None)
+    steps = len(loader)
+    expected = [sampler.global_draw(t).tolist() for t in range(2 * steps + 1)]
+    taken = [s for s in seen if s is not None]
+    # draws 0..steps-1, then the abandoned iterator's draw, then the next epoch from there on
+    assert taken == expected[:steps] + expected[steps + 1 : steps + 1 + len(taken) - steps]
+    assert sampler.handed_out == len(taken) + 1
+    # every draw handed out is counted, stepped on or not
+    assert _steps_counted(engine) == sampler.handed_out
+    assert engine.optimizer_steps == len(taken) - 2
+
+
+def test_a_second_step_on_one_draw_counts_again_and_warns(caplog):
+    engine, gsm, opt, crit, loader = _one_device()
+    xb, yb = next(iter(loader))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            crit(gsm(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    assert "second optimizer step on the same Poisson draw" in caplog.text
+    assert _steps_counted(engine) == 2 and engine.sampler.handed_out == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout,world", [("fsdp2_root", 2), ("fsdp1_root", 2), ("ddp_root", 2),
+                                          ("single", 1)])  # fmt: skip
+def test_same_user_seed_gives_other_draws_and_noise_unless_dp_seed(layout, world):
+    res = run_ranks(wr.same_user_seed, world, layout, timeout=300)[0]
+    a, b = res["entropy_a"], res["entropy_b"]
+    assert a["draw"] != b["draw"]
+    assert a["update"].numel() > 10_000
+    assert abs(_corr(a["update"], b["update"])) < 0.1  # independent noise
+    s, t = res["seed_a"], res["seed_b"]  # the opt-in reproduces both exactly
+    assert s["draw"] == t["draw"] and torch.equal(s["update"], t["update"])
+
+
+@pytest.mark.distributed
+def test_fresh_noise_on_another_world_size_replays_no_noise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(wr.fresh_noise, 2, "first", path, 3, timeout=300)[0]
+    second = run_ranks(wr.fresh_noise, 1, "second", path, 1, timeout=300)[0]
+    (resumed,) = second["updates"]
+    assert resumed.numel() > 10_000
+    for original in first["updates"]:
+        assert abs(_corr(resumed, original)) < 0.1
+    assert sum(e[-1] for e in second["history"]) == 4  # the accountant went on from 3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "saved,loaded,named",
+    [("ddp_root", "fsdp2_root", "api: saved 'ddp', now 'fsdp2'"),
+     ("fsdp2_root", "fsdp2_hsdp", "trainable parameter 0")],
+)  # fmt: skip
+def test_a_checkpoint_of_another_layout_is_refused(tmp_path, saved, loaded, named):
+    path = str(tmp_path / "ckpt")
+    run_ranks(wr.cross_layout, 2, "save", saved, path, timeout=300)
+    same = run_ranks(wr.cross_layout, 2, "load", saved, path, timeout=300)[0]
+    assert same["error"] is None  # the saved layout resumes
+    other = run_ranks(wr.cross_layout, 2, "load", loaded, path, timeout=300)[0]
+    assert other["error"] is not None and "CheckpointMismatchError" in other["error"]
+    assert named in other["error"] and "fresh_noise=True" in other["error"], other["error"]
