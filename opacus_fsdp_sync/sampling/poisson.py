@@ -36,6 +36,7 @@ from ..randomness import broadcast_seed, os_seed, splitmix64
 
 logger = logging.getLogger(__name__)
 
+
 def shared_seed(*, secure: bool = True, device: torch.device | None = None) -> int:
     """A seed from OS entropy on rank 0, broadcast to every rank (never logged).
 
