@@ -27,7 +27,7 @@ def main() -> None:
     rank, world, device = init_distributed()  # gloo on CPU, NCCL on GPUs
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", force=True)  # [Ghost] lines
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # model initialisation only: DP draws and noise come from OS entropy
     model = shard_model(build_llama(LlamaSpec(preset="tiny")), ShardingConfig(), device=device)
     ids = torch.randint(1, 128, (256, 16), generator=torch.Generator().manual_seed(0))
     engine = PrivacyEngine()

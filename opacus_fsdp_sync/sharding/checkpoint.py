@@ -74,8 +74,10 @@ def load_checkpoint(
         optimizer: The (DP) optimizer, or None for the model only.
         engine: Our ``PrivacyEngine`` after ``make_private`` with the saved run's settings: also
             restores the DP state (accountant, noise generators, sampler).
-        fresh_noise: On another world size, restore accountant and sampler and let the noise
-            generators keep fresh seeds instead of refusing (see :mod:`.dp_state`).
+        fresh_noise: Restore accountant and sampler and restart every noise generator from OS
+            entropy: on another layout (world size, API, mesh, placements) instead of refusing,
+            or on the saved one when outputs computed after the checkpoint may have been seen
+            (see :mod:`.dp_state`).
 
     Raises:
         CheckpointMismatchError: the DP state is missing or belongs to another configuration.
