@@ -57,6 +57,10 @@ def _fsdp2(layout: str, world: int) -> nn.Module:
     """The FSDP2 layouts: with and without a root unit, one unit inside a wrapper, unmanaged."""
     mesh = init_device_mesh("cpu", (world,))
     model = _base()
+    if layout == "fsdp2_replicate":  # torch's FSDP-based composable replicate: an FSDP2 unit
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(model, mesh=mesh)
     if layout == "fsdp2_inner":
         for layer in (model.l1, model.l2, model.l3):
             fully_shard(layer, mesh=mesh)
@@ -127,6 +131,7 @@ LAYOUTS = {
         "fsdp2_inner": True,
         "fsdp2_unmanaged_frozen": True,
         "fsdp2_unmanaged": False,
+        "fsdp2_replicate": True,
     },
     "fsdp1": {"fsdp1_root": True, "fsdp1_inner": True, "fsdp1_unmanaged": False},
     "ddp": {"ddp_root": True, "ddp_nested": False},
@@ -169,6 +174,10 @@ def _hooked(model: nn.Module) -> int:
     """Forward hooks on the model's modules (FSDP2 has its own; Opacus adds one per layer)."""
     return sum(len(m._forward_hooks) for m in model.modules())
 
+
+#: Layouts whose ranks hold whole replicas: every rank draws the same noise for the same
+#: coordinates (no independent shards to compare).
+REPLICATED = ("fsdp2_replicate",)
 
 #: The layouts run again under ``secure_mode`` (Opacus's optimizers, its secure noise).
 SECURE = ("fsdp2_root", "fsdp2_rootless", "fsdp1_root", "ddp_root")
