@@ -20,7 +20,7 @@ from .distributed import _fsdp1_internals as fsdp1_internals
 from .distributed import _fsdp2_internals as internals
 from .distributed.controllers import UnsupportedConfigurationError, make_controller
 from .distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
-from .distributed.layout import check_layout, is_distributed, world_size
+from .distributed.layout import check_layout, check_parallelism, is_distributed, world_size
 from .empty_batch import EmptyBatchStandIn
 from .grad_sample import ghost_class
 from .norm_tuner import make_norm_tuner
@@ -262,6 +262,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
         """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
         if kwargs.get("grad_sample_mode") not in _GHOST_MODES or "module" not in kwargs:
+            if "module" in kwargs:  # Opacus's own modes miscalibrate these layouts too
+                check_parallelism(_unwrap(kwargs["module"]))
             return _CallPlan()
         module = kwargs["module"]
         root = get_fsdp_root_module(module)

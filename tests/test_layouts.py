@@ -38,7 +38,8 @@ def _check(results, api, world, secure=False):
         ratio = z.std().item() / (wl.SIGMA * wl.C / b)
         assert abs(ratio - 1.0) < 0.02, (layout, ratio)
         assert abs(z.mean().item()) < 0.02 * wl.SIGMA * wl.C / b
-        if api != "ddp":  # independent across shards: identically seeded ranks, other draws
+        # independent across shards: identically seeded ranks, other draws
+        if api != "ddp" and layout not in wl.REPLICATED:
             for r in per_rank[1:]:
                 k = min(r0["local_noise"].numel(), r["local_noise"].numel())
                 a, c = r0["local_noise"][:k], r["local_noise"][:k]
@@ -63,3 +64,67 @@ def test_unmanaged_trainable_parameters_are_refused_before_anything_is_wrapped()
 def test_secure_mode_noise_is_calibrated(api):
     """Opacus's optimizers and secure draws (FSDP1: our secure shard noise and its scaling)."""
     _check(run_ranks(wl.layouts, 2, api, True, timeout=600), api, 2, secure=True)
+
+
+def _refused(results, layouts, modes):
+    for res in results:
+        for layout in layouts:
+            for mode in modes:
+                r = res[layout, mode]
+                assert r["refused"] is not None, (layout, mode, "accepted")
+                assert r["refused"].startswith("UnsupportedConfigurationError"), r["refused"]
+                assert r["hooks"] == 0 and r["same_forward"], (layout, mode, r)
+    return results[0]
+
+
+MODES = ("ghost", "ghost_fsdp", "hooks")
+
+
+def test_ddp_based_composable_replicate_is_refused_before_anything_is_wrapped():
+    """torch's DDP-based ``replicate`` looks like one process to Opacus (replicas diverge)."""
+    layouts = ("replicate_ddp", "replicate_ddp_inner")
+    res = _refused(
+        run_ranks(wl.refused_parallelism, 2, layouts, MODES, timeout=300), layouts, MODES
+    )
+    for mode in MODES:
+        root, inner = (
+            res["replicate_ddp", mode]["refused"],
+            res["replicate_ddp_inner", mode]["refused"],
+        )
+        for message in (root, inner):
+            assert "replicate" in message and "DistributedDataParallel" in message, message
+            assert "fully_shard" in message, message
+        assert "the model itself" in root, root
+        assert "l2" in inner, inner
+
+
+def test_tensor_parallelism_is_refused_naming_parameters_and_placements():
+    """TP alone, and TP under FSDP2 or FSDP's replicate on (1, 2) and (2, 1) meshes."""
+    layouts = (
+        "tp",
+        "tp_fsdp_1x2",
+        "tp_fsdp_2x1",
+        "tp_fsdp_root_1x2",  # FSDP2's (dp, tp) placements are not shown while unsharded
+        "tp_replicate_1x2",
+        "tp_replicate_2x1",
+    )
+    res = _refused(
+        run_ranks(wl.refused_parallelism, 2, layouts, MODES, timeout=300), layouts, MODES
+    )
+    for layout in layouts:
+        for mode in MODES:
+            message = res[layout, mode]["refused"]
+            assert "tensor parallel" in message and "not supported" in message, message
+            assert "l1.weight" in message and "Shard(dim=0)" in message, message
+            assert "'tp'" in message, message  # the mesh dimension's name
+    assert "_StridedShard" in res["tp_fsdp_1x2", "ghost_fsdp"]["refused"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_fsdp2_on_a_2x2_mesh_is_refused():
+    """The real 2-D layout (dp 2 x tp 2, 4 ranks); build and refusal only."""
+    layouts, modes = ("tp_fsdp_2x2",), ("ghost_fsdp",)
+    res = _refused(
+        run_ranks(wl.refused_parallelism, 4, layouts, modes, timeout=300), layouts, modes
+    )
+    assert "l1.weight" in res["tp_fsdp_2x2", "ghost_fsdp"]["refused"]

@@ -57,6 +57,10 @@ def _fsdp2(layout: str, world: int) -> nn.Module:
     """The FSDP2 layouts: with and without a root unit, one unit inside a wrapper, unmanaged."""
     mesh = init_device_mesh("cpu", (world,))
     model = _base()
+    if layout == "fsdp2_replicate":  # torch's FSDP-based composable replicate: an FSDP2 unit
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(model, mesh=mesh)
     if layout == "fsdp2_inner":
         for layer in (model.l1, model.l2, model.l3):
             fully_shard(layer, mesh=mesh)
@@ -127,6 +131,7 @@ LAYOUTS = {
         "fsdp2_inner": True,
         "fsdp2_unmanaged_frozen": True,
         "fsdp2_unmanaged": False,
+        "fsdp2_replicate": True,
     },
     "fsdp1": {"fsdp1_root": True, "fsdp1_inner": True, "fsdp1_unmanaged": False},
     "ddp": {"ddp_root": True, "ddp_nested": False},
@@ -169,6 +174,10 @@ def _hooked(model: nn.Module) -> int:
     """Forward hooks on the model's modules (FSDP2 has its own; Opacus adds one per layer)."""
     return sum(len(m._forward_hooks) for m in model.modules())
 
+
+#: Layouts whose ranks hold whole replicas: every rank draws the same noise for the same
+#: coordinates (no independent shards to compare).
+REPLICATED = ("fsdp2_replicate",)
 
 #: The layouts run again under ``secure_mode`` (Opacus's optimizers, its secure noise).
 SECURE = ("fsdp2_root", "fsdp2_rootless", "fsdp1_root", "ddp_root")
@@ -301,4 +310,65 @@ def keep_unsharded_plan(rank: int, world: int) -> dict:
             "one": engine.one_backward,
             "vs_loop": max((before[n] - after[n] - ref[n]).abs().max().item() for n in ref),
         }
+    return out
+
+
+def _tensor_parallel(model: nn.Module, mesh) -> nn.Module:
+    """l1 column-wise, l2 row-wise (torch's tensor parallelism); l3 stays a plain Linear."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    return parallelize_module(model, mesh, {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+
+
+def _unsupported(layout: str, world: int) -> nn.Module:
+    """Layouts whose noise the engine cannot calibrate: DDP-based replicate, tensor parallelism."""
+    model = _base()
+    if layout.startswith("replicate_ddp"):
+        from torch.distributed._composable.replicate import replicate
+
+        replicate(model.l2 if layout == "replicate_ddp_inner" else model)
+        return model
+    if layout == "tp":
+        return _tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    # "tp_fsdp_DxT", "tp_fsdp_root_DxT", "tp_replicate_DxT": TP over "tp", then FSDP2 (per layer
+    # and root, or root only) or FSDP's replicate over "dp"
+    kind, shape = layout.rsplit("_", 1)
+    mesh = init_device_mesh("cpu", tuple(map(int, shape.split("x"))), mesh_dim_names=("dp", "tp"))
+    _tensor_parallel(model, mesh["tp"])
+    if kind == "tp_replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(model, mesh=mesh["dp"])
+    if kind == "tp_fsdp":
+        for layer in (model.l1, model.l2, model.l3):
+            fully_shard(layer, mesh=mesh["dp"])
+    # "tp_fsdp_root": the root unit only; after a forward it holds TP's 1-D DTensors unsharded
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def refused_parallelism(rank: int, world: int, layouts: tuple[str, ...], modes: tuple) -> dict:
+    """For each layout and mode: the refusal message (None: accepted), the forward hooks
+    ``make_private`` left behind, and whether the model's forward still gives what it gave."""
+    x, y = _data(world)
+    out = {}
+    for layout in layouts:
+        for mode in modes:
+            model = _unsupported(layout, world)
+            hooks = _hooked(model)
+            with torch.no_grad():
+                before = model(x)
+            try:
+                make_private(PrivacyEngine(), model, (x, y), B_LOCAL * world, C, mode)
+            except Exception as err:  # noqa: BLE001 - the message is what the test checks
+                message = f"{type(err).__name__}: {err}"
+            else:
+                message = None
+            added = _hooked(model) - hooks
+            with torch.no_grad():
+                same = torch.equal(model(x), before)
+            out[layout, mode] = {"refused": message, "hooks": added, "same_forward": same}
     return out

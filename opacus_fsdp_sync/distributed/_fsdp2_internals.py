@@ -304,6 +304,29 @@ def param_location(fsdp_param) -> tuple[nn.Module, str]:
     return module, name
 
 
+def handed_dtensors(modules: list[nn.Module]) -> dict[int, bool]:
+    """Whether each parameter FSDP2 manages was a DTensor already when FSDP2 took it.
+
+    A parameter handed to ``fully_shard`` (or FSDP's ``replicate``) as a DTensor is tensor
+    parallel: FSDP2 keeps its placements on extra mesh dimensions, and shows them alone while
+    the unit is unsharded. Reads ``FSDPParam.is_dtensor`` and ``FSDPParam._module_info``; checked
+    on torch 2.13 (the suite also runs on 2.15).
+
+    Returns:
+        ``{id(parameter as its module holds it now, sharded or not): handed a DTensor}``.
+
+    Raises:
+        FSDPInternalsError: if ``FSDPParam`` lacks ``is_dtensor`` or ``_module_info``.
+    """
+    out: dict[int, bool] = {}
+    for group in iter_param_groups(modules):
+        for fp in fsdp_params(group):
+            module, name = param_location(fp)
+            with _access("FSDPParam.is_dtensor", "the layout check (tensor parallelism)"):
+                out[id(getattr(module, name))] = bool(fp.is_dtensor)
+    return out
+
+
 # --- One-backward hand-off (opacus_fsdp_sync.one_backward) -----------------------------------
 
 

@@ -8,6 +8,8 @@ from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .version_gate import internals_error
+
 #: The API names :func:`get_fsdp_root_module` can report.
 FSDP2, FSDP1, DDP = "fsdp2", "fsdp1", "ddp"
 
@@ -65,6 +67,48 @@ def _get_fsdp_root_module(module: object) -> DistributedRoot:
     if fsdp1:
         return DistributedRoot(fsdp1, FSDP1)
     return DistributedRoot([], None)
+
+
+def composable_apis(module: nn.Module) -> frozenset[str]:
+    """The composable APIs applied to ``module`` itself (``"fully_shard"``, ``"replicate"``).
+
+    Read from torch's composable-API registry (``torch.distributed._composable._get_registry``,
+    exported there since the composable APIs appeared; checked on torch 2.13, and the suite runs
+    on 2.15). Both torch's DDP-based ``replicate`` (``torch.distributed._composable.replicate``)
+    and its FSDP-based twin (``torch.distributed._composable.replicate_with_fsdp``) register as
+    ``"replicate"``; the twin's modules are also ``FSDPModule`` s.
+
+    Raises:
+        TorchInternalsError: when this torch has no ``_get_registry``: the layout cannot be
+            checked, so it is not silently accepted.
+    """
+    try:
+        from torch.distributed._composable import _get_registry
+    except ImportError as err:
+        raise internals_error(
+            "checking the layout for torch's composable replicate",
+            "torch.distributed._composable._get_registry",
+            "Install a tested torch release.",
+        ) from err
+    return frozenset(_get_registry(module) or ())
+
+
+def ddp_replicated_modules(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that torch's DDP-based composable ``replicate`` manages.
+
+    Modules of the FSDP-based ``replicate`` are ``FSDPModule`` s, an FSDP2 layout, and are not
+    reported.
+
+    Returns:
+        The module names, outermost first (``""`` is the model itself).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        name
+        for name, m in model.named_modules()
+        if "replicate" in composable_apis(m) and not isinstance(m, FSDPModule)
+    ]
 
 
 #: Public alias of :func:`_get_fsdp_root_module`.

@@ -7,6 +7,11 @@ is not divided by the world size, and gradient and noise both come out ``1 / wor
 the accountant assumes. The engine decides from the layout instead, and refuses the layouts whose
 noise it cannot calibrate: trainable parameters that no FSDP unit manages (each rank would step
 them on its own gradient and its own noise) and a DDP wrapper below the model's top.
+
+Two layouts are refused in every ``grad_sample_mode`` (:func:`check_parallelism`): torch's
+DDP-based composable ``replicate``, which Opacus also counts as one process, and tensor
+parallelism (DTensor parameters that FSDP2 did not shard on its own), whose per-sample norms
+would need the layer's shards summed across ranks.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._fsdp2_internals import handed_dtensors
 from .controllers import UnsupportedConfigurationError
-from .detect import DDP, FSDP1, FSDP2, DistributedRoot
+from .detect import DDP, FSDP1, FSDP2, DistributedRoot, composable_apis, ddp_replicated_modules
 
 _SHOWN = 4
 
@@ -46,6 +52,108 @@ def _unmanaged_fsdp1(model: nn.Module, root: DistributedRoot) -> list[str]:
     return [n for n, p in _trainable(model) if id(p) not in managed]
 
 
+def _fsdp2_units(model: nn.Module) -> dict[int, nn.Module | None]:
+    """Each parameter's FSDP2 unit: the nearest ``FSDPModule`` at or above its owning module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, nn.Module | None] = {}
+
+    def walk(module: nn.Module, unit: nn.Module | None) -> None:
+        unit = module if isinstance(module, FSDPModule) else unit
+        for p in module.parameters(recurse=False):
+            units.setdefault(id(p), unit)
+        for child in module.children():
+            walk(child, unit)
+
+    walk(model, None)
+    return units
+
+
+def _fsdp_placements(param, unit: nn.Module | None) -> bool:
+    """Whether a DTensor parameter's placements can be its FSDP2 unit's own.
+
+    ``fully_shard`` shards on its mesh's last dimension (dim 0 of a 1-D mesh, the shard dim of
+    HSDP's (replicate, shard) mesh) with a plain ``Shard`` and replicates on the others; the
+    FSDP-based ``replicate`` replicates on its 1-D mesh. Tensor parallelism adds mesh dimensions
+    after FSDP's with its own placements (a ``Shard``, or ``_StridedShard`` on FSDP's dimension).
+    """
+    from torch.distributed.tensor import Shard
+
+    if unit is None:
+        return False
+    *others, last = param.placements
+    if not all(pl.is_replicate() for pl in others):
+        return False
+    if "replicate" in composable_apis(unit):
+        return last.is_replicate() and param.device_mesh.ndim == 1
+    return type(last) is Shard
+
+
+def _tensor_parallel(model: nn.Module) -> list[str]:
+    """Trainable DTensor parameters that are not FSDP2's own, with their placements.
+
+    Not FSDP2's own: outside every FSDP2 unit, a DTensor already when FSDP2 took it, or with
+    placements FSDP2 does not make.
+    """
+    from torch.distributed.tensor import DTensor
+
+    units = _fsdp2_units(model)
+    handed = handed_dtensors(list({id(u): u for u in units.values() if u is not None}.values()))
+    return [
+        f"{n}: {_placement_text(p)}"
+        for n, p in _trainable(model)
+        if isinstance(p, DTensor)
+        and not (handed.get(id(p)) is False and _fsdp_placements(p, units[id(p)]))
+    ]
+
+
+def _placement_text(param) -> str:
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    dims = [f"{pl!r} on mesh dim {name!r}" for pl, name in zip(param.placements, names)]
+    return dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")"
+
+
+def check_parallelism(model: nn.Module) -> None:
+    """Refuses DDP-based composable ``replicate`` and tensor parallelism, in every mode.
+
+    No ``grad_sample_mode`` calibrates them: Opacus counts the first as one process, and the
+    norm hooks of a tensor-parallel layer see DTensors mixed with local tensors.
+
+    Args:
+        model: The user's model, unwrapped from Opacus.
+
+    Raises:
+        UnsupportedConfigurationError: naming the replicated modules, or the parameters with
+            their placements and mesh dimensions, and what to use instead.
+    """
+    replicated = ddp_replicated_modules(model)
+    if replicated:
+        where = (
+            "the model itself"
+            if "" in replicated
+            else "module(s) " + _listing([n for n in replicated if n])
+        )
+        raise UnsupportedConfigurationError(
+            "torch's composable replicate (torch.distributed._composable.replicate, DDP "
+            f"underneath) manages {where}. Opacus cannot see it and counts the run as one "
+            "process: the clipped gradients are not averaged over ranks as the accountant "
+            "assumes and each rank adds its own noise, so the replicas drift apart. Wrap the "
+            "model in torch.nn.parallel.DistributedDataParallel instead "
+            "(DistributedDataParallel(model)), or shard it with FSDP2's fully_shard."
+        )
+    foreign = _tensor_parallel(model)
+    if foreign:
+        raise UnsupportedConfigurationError(
+            f"tensor parallelism is not supported yet: {len(foreign)} trainable parameter(s) are "
+            "DTensors sharded or replicated other than by FSDP2 alone: "
+            f"{_listing(foreign)}. Their per-sample norms would need every rank's shard (and "
+            "their noise the tensor-parallel ranks' shares). Data parallelism is supported: "
+            "FSDP2 (fully_shard on a 1-D mesh) and HSDP (fully_shard on a 2-D (replicate, "
+            "shard) mesh); drop parallelize_module, or freeze those parameters."
+        )
+
+
 def check_layout(model: nn.Module, root: DistributedRoot) -> None:
     """Refuses a layout whose gradients or noise would differ between replicas.
 
@@ -55,8 +163,9 @@ def check_layout(model: nn.Module, root: DistributedRoot) -> None:
 
     Raises:
         UnsupportedConfigurationError: naming the parameters or wrapper at fault and how to
-            shard the model instead.
+            shard the model instead (see also :func:`check_parallelism`, which it calls first).
     """
+    check_parallelism(model)
     if root.api is None:
         nested = [n for n, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
         if nested:
