@@ -85,7 +85,7 @@ def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
         "--batch-size", "16", "--eval-every", "5", nproc=1,
     )  # fmt: skip
     assert summary["world_size"] == 1 and summary["steps"] > 0
-    assert summary["epsilon"] == pytest.approx(4.0, rel=0.05)  # the noise was chosen for it
+    assert 3.95 <= summary["epsilon"] <= 4.0 + 1e-6  # the noise was chosen for the steps run
     assert "[Ghost] sampling: Opacus's Poisson sampler (one process)" in stdout
 
 
