@@ -76,3 +76,15 @@ def test_plan_steps_rounds_the_decimal_product_down_and_caps_it():
         plan_steps(steps_per_epoch=3, epochs=0.3, max_steps=None)
     with pytest.raises(ValueError, match="max_steps=0"):
         TrainConfig(max_steps=0)
+
+
+def test_help_says_what_is_not_private_and_the_privacy_unit(capsys):
+    from opacus_fsdp_sync.train.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse rewraps the epilog
+    assert "Not private" in text and "computed without noise" in text
+    assert "train loss" in text and "held-out loss" in text and "checkpoints hold" in text
+    assert "Privacy unit: one example of the synthetic task" in text
+    assert "one record (line) for --task seq_cls" in text

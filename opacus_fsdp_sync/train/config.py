@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..models.llama import PRESETS, TASKS
+from .privacy import PRIVACY_NOTE
 
 
 @dataclass(kw_only=True)
@@ -104,7 +105,9 @@ class TrainConfig:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Maps CLI flags one-to-one onto :class:`TrainConfig` fields."""
     parser = argparse.ArgumentParser(
-        prog="opacus-fsdp-sync-train", description="DP fine-tuning under FSDP2, FSDP1 or DDP."
+        prog="opacus-fsdp-sync-train",
+        description="DP fine-tuning under FSDP2, FSDP1 or DDP.",
+        epilog=PRIVACY_NOTE,
     )
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

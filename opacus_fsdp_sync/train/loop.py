@@ -27,7 +27,7 @@ from ..privacy_engine import PrivacyEngine
 from ..sharding import ShardingConfig, load_checkpoint, save_checkpoint, shard_model
 from .config import TrainConfig
 from .data import SYNTHETIC_VOCAB, file_dataset, split, synthetic_sequences
-from .privacy import noise_for_target, plan_steps
+from .privacy import NOT_PRIVATE, PRIVACY_NOTE, noise_for_target, plan_steps, privacy_unit
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
     model = _build(cfg, device)
     train_set, heldout = _datasets(cfg, model.config.vocab_size)
@@ -294,6 +295,8 @@ def train(cfg: TrainConfig) -> dict:
         "wall_s": time.perf_counter() - start_time,
         "world_size": world,
         "trainable": trainable,
+        "privacy_unit": privacy_unit(cfg),
+        "not_private": list(NOT_PRIVATE),
     }
     if rank == 0:
         metrics.close()

@@ -2,15 +2,44 @@
 
 The steps a run takes are decided once (:func:`plan_steps`) and the noise for a target epsilon
 is calibrated for exactly those steps (:func:`noise_for_target`), so the accountant never reports
-more than the target.
+more than the target. What the trainer reports outside the guarantee, and which unit of the data
+the guarantee protects, is named here too, for ``--help``, the log and ``summary.json``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opacus.accountants.utils import get_noise_multiplier
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+#: What the trainer reports or writes outside the (epsilon, delta) guarantee, by the name it
+#: has in ``metrics.jsonl``, ``summary.json`` or ``--out``, and why.
+NOT_PRIVATE: dict[str, str] = {
+    "train_loss": "un-noised loss on the private training examples (also the progress bar's)",
+    "heldout_loss": "un-noised loss on the held-out split, drawn from the same private data",
+    "examples_seen": "the realized Poisson batch sizes, which depend on who is in the data",
+    "step_ms": "step times (and the progress bar's tokens/s), which follow the batch sizes",
+    "wall_s": "the run's wall time, which follows the batch sizes",
+    "metrics.png": "plots train_loss and heldout_loss",
+    "checkpoints": "the sampler's seed and the noise generators' states: the DP randomness",
+}
+
+#: For ``--help``, the start-up log and the README.
+PRIVACY_NOTE = (
+    "Not private (outside the (epsilon, delta) guarantee, which covers the trained weights): "
+    "the train loss (metrics.jsonl, progress bar, metrics.png) and the held-out loss (also in "
+    "summary.json; the held-out split comes from the same private data) are computed without "
+    "noise; examples_seen and the timings follow the realized Poisson batch sizes; checkpoints "
+    "hold the sampler's seed and the noise generators' states. Keep all of them as private as "
+    "the data. Privacy unit: one example of the synthetic task; with --data, one record (line) for "
+    "--task seq_cls, one --seq-length chunk of the concatenated text for causal_lm (a record "
+    "spanning k chunks is protected as a group of k)."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,4 +113,23 @@ def noise_for_target(
         sample_rate=plan.sample_rate,
         steps=plan.total_steps,
         accountant=accountant,
+    )
+
+
+def privacy_unit(cfg: TrainConfig) -> str:
+    """What one unit of privacy is for this run's data: what the guarantee protects.
+
+    Args:
+        cfg: The run's configuration (``data`` and ``task`` decide).
+
+    Returns:
+        A phrase naming the unit.
+    """
+    if cfg.data is None:
+        return "one example (one sequence) of the built-in synthetic task"
+    if cfg.task == "seq_cls":
+        return f"one record (one line) of {cfg.data}"
+    return (
+        f"one example: a chunk of {cfg.seq_length} consecutive tokens of {cfg.data}'s "
+        "concatenated records (a record spanning k chunks is protected as a group of k)"
     )
