@@ -2,20 +2,34 @@
 # Install and run the tests on every tested torch release (the version gate's
 # TESTED_TORCH_VERSIONS): the oldest supported one with $PYTHON (a CPU wheel), then the newest
 # on the package index in a git-ignored virtual environment created here (kept, so a re-run
-# on the same machine only checks it; pip's cache makes a fresh one faster too).
+# on the same machine only checks it; pip's cache makes a fresh one faster too). Each run's
+# torch is pinned in requirements/torch-{oldest,newest}.txt and installed from that file.
 # Extra arguments go to pytest, on every run. Environment overrides:
 #   PYTHON          interpreter for the oldest torch (default python3)
-#   TORCH_OLDEST    oldest supported torch (default 2.13.0)
-#   TORCH_NEWEST    newest torch on the package index (default 2.15.0)
+#   TORCH_OLDEST    oldest supported torch (default: requirements/torch-oldest.txt's pin)
+#   TORCH_NEWEST    newest torch on the package index (default: requirements/torch-newest.txt's
+#                   pin); another version than the file's is installed as torch==VERSION
 #   NEWEST_VENV     where the newest torch's environment lives (default .venv-torch-newest)
 #   TORCH_RUNS      which runs, in order (default "oldest newest")
 #   NEWEST_PYTEST   pytest selection for the newest run only (default: the whole suite; e.g.
 #                   "-m 'not slow'" if that run ever outgrows CI's time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REQUIREMENTS=requirements
+
+pinned() {  # the version requirements/torch-$1.txt pins (torch==X)
+  local file="$REQUIREMENTS/torch-$1.txt" version
+  version=$(sed -n 's/^torch==\([^[:space:];#]*\).*/\1/p' "$file" | head -n 1)
+  if [ -z "$version" ]; then
+    echo "$file: no 'torch==VERSION' line" >&2
+    return 1
+  fi
+  echo "$version"
+}
+
 PYTHON=${PYTHON:-python3}
-TORCH_OLDEST=${TORCH_OLDEST:-2.13.0}
-TORCH_NEWEST=${TORCH_NEWEST:-2.15.0}
+TORCH_OLDEST=${TORCH_OLDEST:-$(pinned oldest)}
+TORCH_NEWEST=${TORCH_NEWEST:-$(pinned newest)}
 NEWEST_VENV=${NEWEST_VENV:-.venv-torch-newest}
 TORCH_RUNS=${TORCH_RUNS:-"oldest newest"}
 NEWEST_PYTEST=${NEWEST_PYTEST:-}
@@ -28,15 +42,21 @@ quiet_pip() {  # pip without the root-user warning; pip's own exit status is kep
   return "${PIPESTATUS[0]}"
 }
 
-# Installs torch ($2) and the package with its dev extra into interpreter $1, then runs ruff and
-# pytest ($3...: pytest arguments). Returns the first failing step's exit status (pytest's when
-# the tests fail). Called as `run_suite ... || overall=$?`, where bash ignores `set -e` inside
-# it: every step checks its own status.
+# Installs torch $3 (from requirements/torch-$2.txt when that is the version it pins) and the
+# package with its dev extra into interpreter $1, then runs ruff and pytest ($4...: pytest
+# arguments). Returns the first failing step's exit status (pytest's when the tests fail).
+# Called as `run_suite ... || overall=$?`, where bash ignores `set -e` inside it: every step
+# checks its own status.
 run_suite() {
-  local py=$1 torch_version=$2
-  shift 2
-  local start=$SECONDS
-  quiet_pip "$py" "torch==$torch_version" || return $?
+  local py=$1 run=$2 torch_version=$3
+  shift 3
+  local start=$SECONDS pin
+  pin=$(pinned "$run" 2>/dev/null) || pin=""  # an overriding version needs no file
+  local torch_args=("torch==$torch_version")
+  if [ "$torch_version" = "$pin" ]; then
+    torch_args=(-r "$REQUIREMENTS/torch-$run.txt")
+  fi
+  quiet_pip "$py" "${torch_args[@]}" || return $?
   quiet_pip "$py" -e ".[dev]" || return $?
   "$py" -c "import sys, torch, opacus, opacus_fsdp_sync; print('== tests on torch', \
 torch.__version__, '| opacus', opacus.__version__, '| python', sys.version.split()[0], '|', \
@@ -52,7 +72,7 @@ overall=0  # the last failing run's status (pytest's, when tests failed)
 for run in $TORCH_RUNS; do
   case "$run" in
     oldest)
-      run_suite "$PYTHON" "$TORCH_OLDEST" "$@" || overall=$?
+      run_suite "$PYTHON" oldest "$TORCH_OLDEST" "$@" || overall=$?
       ;;
     newest)
       if [ ! -x "$NEWEST_VENV/bin/python" ]; then
@@ -62,7 +82,7 @@ for run in $TORCH_RUNS; do
       if [ -n "$NEWEST_PYTEST" ]; then
         eval "extra=($NEWEST_PYTEST)"
       fi
-      run_suite "$NEWEST_VENV/bin/python" "$TORCH_NEWEST" "${extra[@]}" "$@" || overall=$?
+      run_suite "$NEWEST_VENV/bin/python" newest "$TORCH_NEWEST" "${extra[@]}" "$@" || overall=$?
       ;;
     *)
       echo "unknown run '$run' in TORCH_RUNS (expected: oldest, newest)" >&2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "memory_test/fsdp_llama3_profilin
 
 
 def _run(tmp_path, **env):
-    full = dict(os.environ, OUT=str(tmp_path / "campaign"), CUDA_VISIBLE_DEVICES="", **env)
+    full = dict(
+        os.environ,
+        OUT=str(tmp_path / "campaign"),
+        CUDA_VISIBLE_DEVICES="",
+        PYTHON=sys.executable,  # this interpreter (a venv's), not the first python3 on PATH
+        **env,
+    )
     return subprocess.run(
         ["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=900
     )
@@ -36,7 +43,7 @@ def test_default_output_folder_names_the_hardware(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(
         ["bash", str(SCRIPT)],
-        env=dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES=""),
+        env=dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable),
         capture_output=True,
         text=True,
         timeout=300,

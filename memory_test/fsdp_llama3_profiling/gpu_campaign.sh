@@ -8,8 +8,9 @@
 #   3. profile: a torch.profiler per-op table and Chrome trace of one default step.
 # Results go to results/<hardware>-campaign/ (hardware from nvidia-smi, else torch), with
 # campaign.md naming the hardware, software, commands and each part's wall time.
-# Environment overrides: OUT, PARTS ("suite gram profile"), MODEL, BATCH_SIZE, SEQ_LENGTHS,
-# STEPS, WARMUP, NPROC, GRAM_ARGS, PROFILE_STEPS, DRY_RUN=1 (print the commands only).
+# Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
+# ("suite gram profile"), MODEL, BATCH_SIZE, SEQ_LENGTHS, STEPS, WARMUP, NPROC, GRAM_ARGS,
+# PROFILE_STEPS, DRY_RUN=1 (print the commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
 #   GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1" OUT=/tmp/x bash gpu_campaign.sh
 #
@@ -21,7 +22,7 @@
 # minute). Norm tuning adds a few seconds to the default row's warm-up. Total: about 6-8 minutes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PYTHON=${PYTHON:-python3}
+export PYTHON=${PYTHON:-python3}  # run_all_experiments.sh starts the same interpreter
 PARTS=${PARTS:-"suite gram profile"}
 MODEL=${MODEL:-llama3.2-1b}
 BATCH_SIZE=${BATCH_SIZE:-8}
@@ -43,6 +44,10 @@ hardware() {
   echo "$name"
 }
 HW=$(hardware)
+if [ -z "$HW" ]; then  # the substitution hides the failure from set -e
+  echo "cannot name the hardware: does $PYTHON import torch? (set PYTHON)" >&2
+  exit 1
+fi
 SLUG=$(echo "$HW" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
 OUT=${OUT:-"$HERE/results/${SLUG}-campaign"}
 NPROC_ARG=()

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..models.llama import PRESETS, TASKS
+from .privacy import PRIVACY_NOTE
 
 
 @dataclass(kw_only=True)
@@ -44,7 +45,8 @@ class TrainConfig:
     mixed_precision: str = "auto"
     """``auto`` (bf16 params / fp32 reduce on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
     target_epsilon: float | None = None
-    """Pick the noise for this epsilon at ``delta`` over ``epochs`` (else ``noise_multiplier``)."""
+    """Pick the noise for this epsilon at ``delta`` over the steps the run takes (``epochs``,
+    or ``max_steps`` if fewer); else ``noise_multiplier``."""
     noise_multiplier: float = 0.5
     """Noise multiplier when no target epsilon is given."""
     delta: float = 1e-5
@@ -58,9 +60,9 @@ class TrainConfig:
     poisson_sampling: bool = True
     """Poisson sampling (what the accountant assumes); off only for debugging."""
     epochs: float = 3.0
-    """Passes over the training set (``epochs x steps per epoch`` logical steps)."""
+    """Passes over the training set (``epochs x steps per epoch`` logical steps, rounded down)."""
     max_steps: int | None = None
-    """Stop after this many logical steps (None: ``epochs``)."""
+    """Stop after this many logical steps (None: ``epochs``); a target epsilon is met here."""
     lr: float = 3e-3
     """AdamW learning rate."""
     seed: int = 0
@@ -90,6 +92,8 @@ class TrainConfig:
         for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps}: at least 1 (or None)")
         if self.physical_batch_size is not None and self.physical_batch_size < 1:
             raise ValueError(f"physical_batch_size={self.physical_batch_size}: at least 1")
         if self.target_epsilon is not None and self.target_epsilon <= 0:
@@ -101,7 +105,9 @@ class TrainConfig:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Maps CLI flags one-to-one onto :class:`TrainConfig` fields."""
     parser = argparse.ArgumentParser(
-        prog="opacus-fsdp-sync-train", description="DP fine-tuning under FSDP2, FSDP1 or DDP."
+        prog="opacus-fsdp-sync-train",
+        description="DP fine-tuning under FSDP2, FSDP1 or DDP.",
+        epilog=PRIVACY_NOTE,
     )
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

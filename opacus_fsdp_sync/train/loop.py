@@ -27,6 +27,7 @@ from ..privacy_engine import PrivacyEngine
 from ..sharding import ShardingConfig, load_checkpoint, save_checkpoint, shard_model
 from .config import TrainConfig
 from .data import SYNTHETIC_VOCAB, file_dataset, split, synthetic_sequences
+from .privacy import NOT_PRIVATE, PRIVACY_NOTE, noise_for_target, plan_steps, privacy_unit
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
     model = _build(cfg, device)
     train_set, heldout = _datasets(cfg, model.config.vocab_size)
@@ -172,30 +174,39 @@ def train(cfg: TrainConfig) -> dict:
     model = _shard(cfg, model, device, world)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     engine = PrivacyEngine(timing=cfg.timing)
-    common = dict(
+    data_loader = DataLoader(train_set, batch_size=cfg.batch_size)
+    plan = plan_steps(steps_per_epoch=len(data_loader), epochs=cfg.epochs, max_steps=cfg.max_steps)
+    total_steps = plan.total_steps
+    noise = cfg.noise_multiplier
+    if cfg.target_epsilon is not None:
+        # Calibrated for the steps run: make_private_with_epsilon calibrates for
+        # int(epochs / (1 / len(loader))) steps, which float rounding can put one below.
+        noise = noise_for_target(
+            target_epsilon=cfg.target_epsilon,
+            delta=cfg.delta,
+            plan=plan,
+            accountant=engine.accountant.mechanism(),
+        )
+        if rank == 0:
+            logger.info(
+                "[Ghost] noise %.6g: epsilon <= %g at delta %g after %d steps at q = %.6g",
+                noise,
+                cfg.target_epsilon,
+                cfg.delta,
+                total_steps,
+                plan.sample_rate,
+            )
+    torch.manual_seed(cfg.seed)  # rank 0's draw of the sampler's shared seed
+    gsm, opt, crit, loader = engine.make_private(
         module=model,
         optimizer=optimizer,
         criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(train_set, batch_size=cfg.batch_size),
+        data_loader=data_loader,
+        noise_multiplier=noise,
         max_grad_norm=cfg.max_grad_norm,
         poisson_sampling=cfg.poisson_sampling,
         grad_sample_mode="ghost_fsdp" if world > 1 and cfg.fsdp_api != "ddp" else "ghost",
     )
-    torch.manual_seed(cfg.seed)  # rank 0's draw of the sampler's shared seed
-    if cfg.target_epsilon is not None:
-        gsm, opt, crit, loader = engine.make_private_with_epsilon(
-            target_epsilon=cfg.target_epsilon,
-            target_delta=cfg.delta,
-            epochs=cfg.epochs,
-            **common,
-        )
-    else:
-        gsm, opt, crit, loader = engine.make_private(
-            noise_multiplier=cfg.noise_multiplier, **common
-        )
-    total_steps = int(cfg.epochs * len(loader))
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
     step = 0
     latest = _latest(out) if cfg.resume else None
     if cfg.resume and latest is None:
@@ -285,6 +296,8 @@ def train(cfg: TrainConfig) -> dict:
         "wall_s": time.perf_counter() - start_time,
         "world_size": world,
         "trainable": trainable,
+        "privacy_unit": privacy_unit(cfg),
+        "not_private": list(NOT_PRIVATE),
     }
     if rank == 0:
         metrics.close()

@@ -1,0 +1,135 @@
+"""What the trainer's DP guarantee covers.
+
+The steps a run takes are decided once (:func:`plan_steps`) and the noise for a target epsilon
+is calibrated for exactly those steps (:func:`noise_for_target`), so the accountant never reports
+more than the target. What the trainer reports outside the guarantee, and which unit of the data
+the guarantee protects, is named here too, for ``--help``, the log and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opacus.accountants.utils import get_noise_multiplier
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+#: What the trainer reports or writes outside the (epsilon, delta) guarantee, by the name it
+#: has in ``metrics.jsonl``, ``summary.json`` or ``--out``, and why.
+NOT_PRIVATE: dict[str, str] = {
+    "train_loss": "un-noised loss on the private training examples (also the progress bar's)",
+    "heldout_loss": "un-noised loss on the held-out split, drawn from the same private data",
+    "examples_seen": "the realized Poisson batch sizes, which depend on who is in the data",
+    "step_ms": "step times (and the progress bar's tokens/s), which follow the batch sizes",
+    "wall_s": "the run's wall time, which follows the batch sizes",
+    "metrics.png": "plots train_loss and heldout_loss",
+    "checkpoints": "the sampler's seed and the noise generators' states: the DP randomness",
+}
+
+#: For ``--help``, the start-up log and the README.
+PRIVACY_NOTE = (
+    "Not private (outside the (epsilon, delta) guarantee, which covers the trained weights): "
+    "the train loss (metrics.jsonl, progress bar, metrics.png) and the held-out loss (also in "
+    "summary.json; the held-out split comes from the same private data) are computed without "
+    "noise; examples_seen and the timings follow the realized Poisson batch sizes; checkpoints "
+    "hold the sampler's seed and the noise generators' states. Keep all of them as private as "
+    "the data. Privacy unit: one example of the synthetic task; with --data, one record (line) for "
+    "--task seq_cls, one --seq-length chunk of the concatenated text for causal_lm (a record "
+    "spanning k chunks is protected as a group of k)."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """How many logical steps a run takes, and at which sample rate."""
+
+    steps_per_epoch: int
+    """Batches of the loader handed to ``make_private``; Opacus samples at its inverse."""
+    total_steps: int
+    """Logical steps the trainer runs; the noise is calibrated for this many."""
+
+    @property
+    def sample_rate(self) -> float:
+        """Poisson sample rate ``q``, as Opacus computes it (``1 / len(data_loader)``)."""
+        return 1 / self.steps_per_epoch
+
+
+def plan_steps(*, steps_per_epoch: int, epochs: float, max_steps: int | None) -> StepPlan:
+    """The run's logical steps: ``epochs x steps_per_epoch`` rounded down, at most ``max_steps``.
+
+    The product is rounded to 6 decimals before it is rounded down, so that ``0.29 x 100`` is
+    29 steps, not the 28 that float arithmetic gives. Whatever the rounding, the trainer runs
+    this count and calibrates its noise for this count.
+
+    Args:
+        steps_per_epoch: ``len(data_loader)`` of the loader given to ``make_private``.
+        epochs: Passes over the training set (fractions allowed).
+        max_steps: A cap on the steps (None: none).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: if the run would take no step.
+    """
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch={steps_per_epoch}: the training set is empty")
+    total = math.floor(round(epochs * steps_per_epoch, 6))
+    if max_steps is not None:
+        total = min(total, max_steps)
+    if total < 1:
+        raise ValueError(
+            f"epochs={epochs} x {steps_per_epoch} steps per epoch (max_steps={max_steps}) "
+            "makes no step: raise epochs or max_steps"
+        )
+    return StepPlan(steps_per_epoch=steps_per_epoch, total_steps=total)
+
+
+def noise_for_target(
+    *, target_epsilon: float, delta: float, plan: StepPlan, accountant: str
+) -> float:
+    """The noise multiplier whose epsilon after ``plan.total_steps`` steps is at most the target.
+
+    Opacus's binary search (``get_noise_multiplier``) on the given steps, instead of the
+    ``int(epochs / sample_rate)`` that ``make_private_with_epsilon`` derives from epochs, which
+    float rounding can put one step below the steps run.
+
+    Args:
+        target_epsilon: The epsilon not to exceed.
+        delta: The DP delta.
+        plan: The run's steps and sample rate.
+        accountant: The engine's accountant mechanism (``"prv"``, ``"rdp"``, ``"gdp"``).
+
+    Returns:
+        The noise multiplier (its epsilon lies within Opacus's search tolerance, 0.01, below
+        the target).
+    """
+    return get_noise_multiplier(
+        target_epsilon=target_epsilon,
+        target_delta=delta,
+        sample_rate=plan.sample_rate,
+        steps=plan.total_steps,
+        accountant=accountant,
+    )
+
+
+def privacy_unit(cfg: TrainConfig) -> str:
+    """What one unit of privacy is for this run's data: what the guarantee protects.
+
+    Args:
+        cfg: The run's configuration (``data`` and ``task`` decide).
+
+    Returns:
+        A phrase naming the unit.
+    """
+    if cfg.data is None:
+        return "one example (one sequence) of the built-in synthetic task"
+    if cfg.task == "seq_cls":
+        return f"one record (one line) of {cfg.data}"
+    return (
+        f"one example: a chunk of {cfg.seq_length} consecutive tokens of {cfg.data}'s "
+        "concatenated records (a record spanning k chunks is protected as a group of k)"
+    )
