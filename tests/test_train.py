@@ -45,10 +45,26 @@ def test_trains_and_reports_the_accountants_epsilon(tmp_path):
     assert "[Ghost] privacy: Not private" in stdout
 
 
+def test_same_seed_draws_other_batches_and_noise_unless_dp_seed(tmp_path):
+    """``--seed`` decides the model and the split only; ``--dp-seed`` is the opt-in."""
+    flags = ("--max-steps", "3", "--eval-every", "3", "--seed", "1")
+
+    def run(name, *extra):
+        _, rows, _ = _train(tmp_path / name, *flags, *extra)
+        return [{k: v for k, v in r.items() if k != "step_ms"} for r in rows]
+
+    a, b = run("a"), run("b")
+    assert a[0] == b[0]  # the same model before training
+    assert a[-1]["heldout_loss"] != b[-1]["heldout_loss"]
+    assert [r["train_loss"] for r in a[1:]] != [r["train_loss"] for r in b[1:]]
+    assert run("c", "--dp-seed", "7") == run("d", "--dp-seed", "7")
+
+
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
-    common = ("--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2")
+    # --dp-seed: the two runs compared must draw the same batches and noise
+    common = ("--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2", "--dp-seed", "5")
     straight, rows_a, _ = _train(tmp_path / "a", *common)
-    _train(tmp_path / "b", "--max-steps", "4", "--checkpoint-every", "4", "--eval-every", "2")
+    _train(tmp_path / "b", *common[2:], "--max-steps", "4")
     resumed, rows_b, stdout = _train(tmp_path / "b", *common, "--resume")
     assert "resumed from" in stdout
     later_a = [r for r in rows_a if r["step"] > 4]

@@ -66,7 +66,10 @@ class TrainConfig:
     lr: float = 3e-3
     """AdamW learning rate."""
     seed: int = 0
-    """Model initialisation, data split and the sampler's shared seed."""
+    """Model initialisation and the data split only: never the Poisson draws or the noise."""
+    dp_seed: int | None = None
+    """Reproducible Poisson draws and noise (``PrivacyEngine(dp_seed=...)``) for tests and
+    debugging; privacy then rests on it staying secret. None: OS entropy."""
     eval_every: int = 10
     """Held-out loss every N logical steps (and at the end)."""
     checkpoint_every: int = 0

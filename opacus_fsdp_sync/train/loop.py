@@ -173,7 +173,7 @@ def train(cfg: TrainConfig) -> dict:
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     model = _shard(cfg, model, device, world)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    engine = PrivacyEngine(timing=cfg.timing)
+    engine = PrivacyEngine(timing=cfg.timing, dp_seed=cfg.dp_seed)
     data_loader = DataLoader(train_set, batch_size=cfg.batch_size)
     plan = plan_steps(steps_per_epoch=len(data_loader), epochs=cfg.epochs, max_steps=cfg.max_steps)
     total_steps = plan.total_steps
@@ -196,7 +196,6 @@ def train(cfg: TrainConfig) -> dict:
                 total_steps,
                 plan.sample_rate,
             )
-    torch.manual_seed(cfg.seed)  # rank 0's draw of the sampler's shared seed
     gsm, opt, crit, loader = engine.make_private(
         module=model,
         optimizer=optimizer,
