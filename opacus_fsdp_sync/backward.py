@@ -17,7 +17,10 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from .distributed.controllers import NullController
+from .distributed.api import DPOptimizerOps, GradientHandoff, StepController
+from .distributed.single import NullController
+from .errors import attach_cleanup_error
+from .optimizers.ops import OpacusOptimizerOps
 from .profiling.phases import phase
 from .profiling.timers import StepTimer
 
@@ -29,13 +32,15 @@ logger_ghost = logging.getLogger("opacus_fsdp_sync")
 class GhostStepContext:
     """What a step needs besides the loss: the sync controller and the phase timer."""
 
-    controller: object = field(default_factory=NullController)
+    controller: StepController = field(default_factory=NullController)
     timer: StepTimer = field(default_factory=StepTimer)
     restricted_first_pass: bool = False
     """Differentiate the first pass w.r.t. activations only (no weight gradients)."""
-    handoff: object = None
+    handoff: GradientHandoff | None = None
     """With the restricted first pass: delivers clipped gradients computed from it (one
     backward per step); None runs the second backward."""
+    optimizer_ops: DPOptimizerOps = field(default_factory=lambda: OpacusOptimizerOps(None))
+    """What the step asks of the DP optimizer (noise drawn ahead, gradients cleared to None)."""
     last_step_one_backward: bool | None = None
     """Whether the last completed step ran one backward (None before the first step): a step
     may fall back to two passes (no first-pass source, or a loss term outside the hooked
@@ -151,13 +156,11 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         controller, timer = self.context.controller, self.context.timer
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
         timer.flush()  # previous step's CUDA events, if any were left pending
-        prefetch = getattr(self.optimizer, "prefetch_noise", None)
-        if prefetch is not None:  # the noise is drawn while this backward runs
-            prefetch()
+        self.context.optimizer_ops.prefetch_noise()  # drawn while this backward runs
         tracking = hasattr(self.module, "take_first_pass_sources")
         sources = self.module.take_first_pass_sources() if tracking else []
         restricted = self.context.restricted_first_pass and bool(sources)
-        if getattr(controller, "requires_restricted", False) and not restricted:
+        if controller.requires_restricted and not restricted:
             reset_opacus_step_state(self.module)
             if tracking:
                 self.module.forget_pass()
@@ -217,9 +220,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
             # so a parameter this step did not use still gets its noise.
-            self.optimizer.zero_grad(
-                set_to_none=getattr(self.optimizer, "accepts_none_grads", False)
-            )
+            self.optimizer.zero_grad(set_to_none=self.context.optimizer_ops.accepts_none_grads)
             coeff = self.module.get_clipping_coef()
             if one:
                 # No hook may fire here: the generic path re-runs layers on their kept inputs.
@@ -257,10 +258,10 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             try:
                 part()
             except Exception as cleanup:  # noqa: BLE001 - reported with the step's own error
-                _attach(error, cleanup)
+                attach_cleanup_error(error, cleanup)
 
     def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
-        from .one_backward import by_parameter, clipped_gradients
+        from .one_backward import clipped_gradients
 
         timer = self.context.timer
         kept = self.module.take_kept()
@@ -283,52 +284,21 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         self.context.kept_bytes = sum(held.values())
         type_of = getattr(self.module, "_get_module_type", type)
         handoff = self.context.handoff
-        name = getattr(handoff, "phase", "reduce_scatter")
-        deliver = getattr(handoff, "deliver", None)
-        if deliver is not None:  # computes each group's gradients as it hands them over
 
-            def compute(entries: list) -> dict:
-                with phase("weight_grads"), timer.phase("weight_grads"):
-                    return by_parameter(
-                        clipped_gradients(entries, coeff, self.loss_reduction, type_of)
-                    )
+        def compute(entries: list) -> dict:
+            with phase("weight_grads"), timer.phase("weight_grads"):
+                return clipped_gradients(entries, coeff, self.loss_reduction, type_of)
 
-            deliver(kept, compute, lambda: _both(phase(name), timer.phase(name)))
-            return
-        with phase("weight_grads"), timer.phase("weight_grads"):
-            grads = clipped_gradients(kept, coeff, self.loss_reduction, type_of)
-        del kept
-        with phase(name), timer.phase(name):
-            handoff(grads)
+        name = handoff.phase
+        handoff.deliver(kept, compute, lambda: _both(phase(name), timer.phase(name)))
 
 
 def _first(first: BaseException | None, later: BaseException) -> BaseException:
     """The error to raise: the first one, with a later one attached to it."""
     if first is None:
         return later
-    _attach(first, later)
+    attach_cleanup_error(first, later)
     return first
-
-
-def _attach(error: BaseException, later: BaseException) -> None:
-    """Records ``later`` (raised while cleaning up after ``error``) on ``error`` and logs it."""
-    logger.error(
-        "opacus_fsdp_sync: cleaning up after %s raised %s: %s",
-        type(error).__name__,
-        type(later).__name__,
-        later,
-        exc_info=later,
-    )
-    errors = getattr(error, "cleanup_errors", None)
-    if errors is None:
-        errors = []
-        try:
-            error.cleanup_errors = errors
-        except AttributeError:  # an exception type with __slots__
-            return
-    errors.append(later)
-    if hasattr(error, "add_note"):  # Python >= 3.11
-        error.add_note(f"While cleaning up after it: {type(later).__name__}: {later}")
 
 
 @contextmanager

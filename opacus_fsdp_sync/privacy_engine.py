@@ -13,17 +13,18 @@ from collections.abc import Iterator
 import opacus
 import torch
 from opacus.data_loader import DPDataLoader
+from opacus.optimizers import DPOptimizer
 
 from .backward import GhostStepContext, SyncDPLoss
 from .block_gram import describe_block
-from .distributed import _fsdp1_internals as fsdp1_internals
-from .distributed import _fsdp2_internals as internals
-from .distributed.controllers import UnsupportedConfigurationError, make_controller
-from .distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
-from .distributed.layout import check_layout, check_parallelism, is_distributed, world_size
+from .distributed.api import OptimizerFactory
+from .distributed.detect import _unwrap
+from .distributed.layout import check_layout, check_parallelism, world_size
+from .distributed.registry import Detected, detect_api
 from .empty_batch import EmptyBatchStandIn
 from .grad_sample import ghost_class
 from .norm_tuner import make_norm_tuner
+from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
@@ -51,8 +52,8 @@ def _first_device(module: torch.nn.Module) -> torch.device:
 class _CallPlan:
     """What one ``make_private`` call decided from the model before Opacus wrapped it."""
 
-    optimizer: str | None = None
-    """None (Opacus's), ``"shared_noise"``, ``"fsdp1"`` or ``"fsdp2"``."""
+    optimizer: OptimizerFactory | None = None
+    """This package's optimizer for the call (from the API's record), or None for Opacus's."""
     ghost: bool = False
     """The call is in a ghost mode (the calls this engine changes)."""
     missed_distributed: bool = False
@@ -153,6 +154,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.keep_unsharded: bool = False
         self._one_backward_planned = False
         self._plan = _CallPlan()
+        #: The options the last model made private runs with (engine's and the call's).
+        self.last_options: GhostOptions = self.options.effective
         #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
         self.sampler: SharedPoissonSampler | None = None
 
@@ -245,12 +248,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 made = super().make_private(**kwargs)
             finally:
                 self._plan = _CallPlan()
-        sampler = getattr(made[-1], "batch_sampler", None)
+        sampler = made[-1].batch_sampler
         if isinstance(sampler, SharedPoissonSampler):
             _account_draws(self.accountant, made[1], sampler, self._step_taken)
         else:
             _count_steps(made[1], self._step_taken)
-        self.distributed_api = get_fsdp_root_module(made[0]).api
+        self.distributed_api = detect_api(made[0]).record.name
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
@@ -266,36 +269,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 check_parallelism(_unwrap(kwargs["module"]))
             return _CallPlan()
         module = kwargs["module"]
-        root = get_fsdp_root_module(module)
-        plan = self._plan_optimizer(root, opts, kwargs["grad_sample_mode"])  # API refusals
-        check_layout(_unwrap(module), root)
-        missed = is_distributed(root) and not isinstance(module, _OPACUS_DISTRIBUTED)
-        return dataclasses.replace(plan, ghost=True, missed_distributed=missed)
-
-    def _plan_optimizer(self, root, opts: GhostOptions, mode: str) -> _CallPlan:
-        if root.api == FSDP1:
-            # raises early for what FSDP1 cannot do
-            make_controller(
-                root, enabled=opts.sync_optimization, restricted=opts.restricted_first_pass
-            )
-            strategies = fsdp1_internals.sharding_strategies(root.modules[0])
-            if len(strategies) > 1:
-                raise UnsupportedConfigurationError(
-                    f"FSDP1 units mix sharding strategies {sorted(strategies)}; use one strategy."
-                )
-            if "NO_SHARD" in strategies and self.secure_mode:
-                raise UnsupportedConfigurationError(
-                    "FSDP1 NO_SHARD replicas must add one shared noise draw, which secure_mode "
-                    "cannot provide here; use FULL_SHARD or SHARD_GRAD_OP, or FSDP2."
-                )
-            return _CallPlan("shared_noise" if "NO_SHARD" in strategies else "fsdp1")
-        ours = opts.sync_optimization and not self.secure_mode
-        if root.api == DDP and ours and opts.restricted_first_pass:
-            make_controller(root, enabled=True, restricted=True)  # raises early (static_graph)
-            return _CallPlan("shared_noise")
-        if root.api == FSDP2 and ours and mode == "ghost_fsdp":
-            return _CallPlan("fsdp2")
-        return _CallPlan()
+        found = detect_api(module)
+        factory = found.record.plan_optimizer(  # raises for what the API cannot run
+            found.modules,
+            options=opts,
+            secure_mode=self.secure_mode,
+            grad_sample_mode=kwargs["grad_sample_mode"],
+        )
+        check_layout(_unwrap(module), found)
+        missed = found.record.capabilities.distributed and not isinstance(
+            module, _OPACUS_DISTRIBUTED
+        )
+        return _CallPlan(optimizer=factory, ghost=True, missed_distributed=missed)
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
@@ -376,42 +361,26 @@ class PrivacyEngine(opacus.PrivacyEngine):
         return self.randomness.generator("noise", device)
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
-        """Opacus's optimizer, or ours where the distributed API already reduced gradients.
+        """Opacus's optimizer, or the API record's where the API already reduced gradients.
 
-        ``shared_noise``: gradients arrive averaged (DDP: the one-backward hand-off's bucketed
-        all-reduce, or DDP's own in the clipped pass; FSDP1 NO_SHARD), no second all-reduce, one
-        noise draw shared by all ranks.
-        ``fsdp1``: per-rank batch and sharded gradients. ``fsdp2``: noise drawn per local shard.
+        DDP and FSDP1 ``NO_SHARD``: gradients arrive averaged, no second all-reduce, one noise
+        draw shared by all ranks. FSDP1: per-rank batch and sharded gradients. FSDP2: noise
+        drawn per local shard. The noise generator is :meth:`_noise_generator`'s.
         """
-        from .optimizers import (
-            FSDP1DPOptimizer,
-            ShardedNoiseFSDPOptimizer,
-            SharedNoiseDPOptimizer,
-        )
-
         if self._plan.missed_distributed and not kwargs.get("distributed"):
             # Opacus judged the wrapper's type, not the layout: the batch per rank it expects
             # is the global one, which would scale gradient and noise by 1 / world size.
             kwargs["expected_batch_size"] /= world_size()
             kwargs["distributed"] = True
-        choice = self._plan.optimizer
-        inner = getattr(optimizer, "original_optimizer", optimizer)
+        factory = self._plan.optimizer
+        inner = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
         generator = self._noise_generator(inner, kwargs.get("noise_generator"))
-        if choice is None or kwargs.get("clipping") != "flat":
+        if factory is None or kwargs.get("clipping") != "flat":
             kwargs["noise_generator"] = None if self.secure_mode else generator
             return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
         for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
             kwargs.pop(name, None)
-        if choice == "fsdp2":
-            logger.info("[Ghost] FSDP2: DP optimizer drawing noise for the local shard only")
-            return ShardedNoiseFSDPOptimizer(inner, generator=generator, **kwargs)
-        if choice == "fsdp1":
-            logger.info("[Ghost] FSDP1: sharded DP optimizer, independent noise per shard")
-            return FSDP1DPOptimizer(
-                inner, generator=generator, secure_mode=self.secure_mode, **kwargs
-            )
-        logger.info("[Ghost] optimizer without all-reduce, one noise draw shared by all ranks")
-        return SharedNoiseDPOptimizer(inner, generator=generator, secure_mode=False, **kwargs)
+        return factory(inner, generator=generator, secure_mode=self.secure_mode, **kwargs)
 
     def _prepare_model(
         self,
@@ -457,24 +426,25 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ) -> SyncDPLoss:
         opts = self._options_now()
         timing = timing_enabled_from_env() if opts.timing is None else opts.timing
-        root = get_fsdp_root_module(module)
+        found = detect_api(module)
+        record = found.record
         device = _first_device(getattr(module, "_module", module))
-        handoff = self._one_backward_handoff(module, root, opts)
+        handoff = self._one_backward_handoff(module, found, opts)
         keep = False
-        if root.api == FSDP2 and opts.sync_optimization:
+        if record.capabilities.keep_unsharded and opts.sync_optimization:
             keep = decide_keep_unsharded(
                 opts,
-                internals.unsharded_bytes(root.modules),
+                record.unsharded_bytes(found.modules),
                 device,
                 one_backward=handoff is not None,
             )
-        controller = make_controller(
-            root,
+        controller = record.make_controller(
+            found.modules,
             enabled=opts.sync_optimization,
             keep_unsharded=keep,
             restricted=opts.restricted_first_pass,
         )
-        if root.api is not None and not opts.sync_optimization:
+        if record.capabilities.distributed and not opts.sync_optimization:
             logger.info("[Ghost] sync optimization off (sync_optimization=False): upstream passes")
         elif controller.enabled_message:
             logger.info(controller.enabled_message)
@@ -487,6 +457,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             timer=StepTimer(enabled=timing, device=device),
             restricted_first_pass=opts.restricted_first_pass,
             handoff=handoff,
+            optimizer_ops=optimizer_ops(optimizer),
         )
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
@@ -497,7 +468,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 cache_path=opts.tune_norms_cache,
                 device=device,
                 gram_block=opts.gram_block,
-                distributed=is_distributed(root),
+                distributed=record.capabilities.distributed,
                 timer=self._context.timer,
             )
             module.use_fast_norms(policy, gram_block=opts.gram_block, tuner=tuner)
@@ -531,14 +502,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
             gram_block=opts.gram_block,
         )
 
-    def _one_backward_handoff(self, module, root, opts):
+    def _one_backward_handoff(self, module, found: Detected, opts):
         """The one-backward hand-off for this model, or None (two passes); logs which and why.
 
-        Available on one device, FSDP2, FSDP1 (``use_orig_params=True``) and DDP; a hooked layer
-        without a direct gradient formula under FSDP, and DDP settings the hand-off does not
-        emulate, take the two-pass step.
+        Every API's record has one; a hooked layer without a direct gradient formula where the
+        record cannot replay it generically (sharded parameters), and DDP settings the
+        hand-off does not emulate, take the two-pass step.
         """
-        from .one_backward import OneBackwardUnavailable, make_handoff, unsupported_layers
+        from .one_backward import OneBackwardUnavailable, unsupported_layers
 
         if not (opts.one_backward and opts.restricted_first_pass):
             why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
@@ -547,25 +518,23 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if not getattr(module, "batch_first", True):
             logger.info("[Ghost] step: two backward passes (batch_first=False)")
             return None
+        record = found.record
         try:
-            handoff = make_handoff(root.api, root.modules)
+            handoff = record.make_handoff(found.modules)
         except OneBackwardUnavailable as err:
             logger.info("[Ghost] step: two backward passes (%s)", err)
             return None
-        if handoff is None:
-            logger.info(
-                "[Ghost] step: two backward passes (one backward not available on %s)", root.api
-            )
-            return None
         type_of = getattr(module, "_get_module_type", type)
         missing = unsupported_layers(
-            list(module.iterate_submodules(module._module)), type_of, root.api
+            list(module.iterate_submodules(module._module)),
+            type_of,
+            generic_replay=record.capabilities.generic_replay,
         )
         if missing:
             logger.info(
                 "[Ghost] step: two backward passes (no direct gradient formula for %s under %s)",
                 ", ".join(missing),
-                root.api,
+                record.name,
             )
             return None
         logger.info("[Ghost] step: one backward (clipped weight gradients from the first pass)")

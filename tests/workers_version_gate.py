@@ -37,7 +37,8 @@ def _private_step(world: int, rank: int, **options):
 
 
 def _describe(err: BaseException) -> dict:
-    abort = getattr(err, "__opacus_abort_error__", None)
+    recorded = getattr(err, "cleanup_errors", [])  # what failed while cleaning up after it
+    abort = recorded[-1] if recorded else None
     return {
         "type": type(err).__name__,
         "message": str(err),

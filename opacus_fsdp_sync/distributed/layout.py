@@ -18,38 +18,22 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import UnsupportedConfigurationError
 from ._fsdp2_internals import handed_dtensors
-from .controllers import UnsupportedConfigurationError
-from .detect import DDP, FSDP1, FSDP2, DistributedRoot, composable_apis, ddp_replicated_modules
+from .detect import composable_apis, ddp_replicated_modules
 
 _SHOWN = 4
-
-
-def is_distributed(root: DistributedRoot) -> bool:
-    """True when ``root`` names a distributed API (however deep its wrappers sit)."""
-    return root.api in (FSDP2, FSDP1, DDP)
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _listing(names: list[str]) -> str:
+def listing(names: list[str]) -> str:
+    """The first few names, and how many more there are."""
     more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
-
-
-def _unmanaged_fsdp2(model: nn.Module) -> list[str]:
-    from torch.distributed.tensor import DTensor
-
-    return [n for n, p in _trainable(model) if not isinstance(p, DTensor)]
-
-
-def _unmanaged_fsdp1(model: nn.Module, root: DistributedRoot) -> list[str]:
-    managed = {id(p) for unit in root.modules for p in unit.parameters()}
-    return [n for n, p in _trainable(model) if id(p) not in managed]
 
 
 def _fsdp2_units(model: nn.Module) -> dict[int, nn.Module | None]:
@@ -132,7 +116,7 @@ def check_parallelism(model: nn.Module) -> None:
         where = (
             "the model itself"
             if "" in replicated
-            else "module(s) " + _listing([n for n in replicated if n])
+            else "module(s) " + listing([n for n in replicated if n])
         )
         raise UnsupportedConfigurationError(
             "torch's composable replicate (torch.distributed._composable.replicate, DDP "
@@ -147,56 +131,26 @@ def check_parallelism(model: nn.Module) -> None:
         raise UnsupportedConfigurationError(
             f"tensor parallelism is not supported yet: {len(foreign)} trainable parameter(s) are "
             "DTensors sharded or replicated other than by FSDP2 alone: "
-            f"{_listing(foreign)}. Their per-sample norms would need every rank's shard (and "
+            f"{listing(foreign)}. Their per-sample norms would need every rank's shard (and "
             "their noise the tensor-parallel ranks' shares). Data parallelism is supported: "
             "FSDP2 (fully_shard on a 1-D mesh) and HSDP (fully_shard on a 2-D (replicate, "
             "shard) mesh); drop parallelize_module, or freeze those parameters."
         )
 
 
-def check_layout(model: nn.Module, root: DistributedRoot) -> None:
+def check_layout(model: nn.Module, found) -> None:
     """Refuses a layout whose gradients or noise would differ between replicas.
 
     Args:
         model: The user's model, unwrapped from Opacus.
-        root: What :func:`~.detect.get_fsdp_root_module` found in it.
+        found: What :func:`~.registry.detect_api` found in it (its record checks the rest).
 
     Raises:
         UnsupportedConfigurationError: naming the parameters or wrapper at fault and how to
             shard the model instead (see also :func:`check_parallelism`, which it calls first).
     """
     check_parallelism(model)
-    if root.api is None:
-        nested = [n for n, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
-        if nested:
-            raise UnsupportedConfigurationError(
-                f"DistributedDataParallel wraps {_listing(nested)} but not the model passed to "
-                "make_private: the engine would count the run as one process (no averaging over "
-                "ranks, each rank its own noise). Pass the DDP-wrapped model itself: "
-                "DistributedDataParallel(model)."
-            )
-        return
-    if world_size() <= 1:
-        return
-    if root.api == FSDP2:
-        plain = _unmanaged_fsdp2(model)
-        if plain:
-            raise UnsupportedConfigurationError(
-                f"{len(plain)} trainable parameter(s) are not managed by FSDP2: "
-                f"{_listing(plain)}. No rank reduces their gradients and each rank would add its "
-                "own noise, so the replicas drift apart and the noise is not the accountant's. "
-                "Call fully_shard on the module that owns them (or on the root, after the "
-                "blocks: fully_shard(model)), or freeze them (requires_grad_(False))."
-            )
-    elif root.api == FSDP1:
-        plain = _unmanaged_fsdp1(model, root)
-        if plain:
-            raise UnsupportedConfigurationError(
-                f"{len(plain)} trainable parameter(s) lie outside every FullyShardedDataParallel "
-                f"instance: {_listing(plain)}. Wrap the whole model "
-                "(FullyShardedDataParallel(model, ...), as opacus_fsdp_sync.sharding.shard_model "
-                "does) or freeze them."
-            )
+    found.record.check_layout(model, found.modules)
 
 
 def world_size() -> int:

@@ -105,6 +105,28 @@ def internals_error(
     )
 
 
+def versioned_cleanup_error(
+    err: Exception, feature: str, *, cls: type[TorchInternalsError] = TorchInternalsError
+) -> TorchInternalsError:
+    """The versioned error for a cleanup that failed (``err`` itself when it is one).
+
+    Args:
+        err: What the cleanup raised.
+        feature: The cleanup, as a user knows it ("recovering FSDP2 after a failed step").
+        cls: The error class when ``err`` is not already a :class:`TorchInternalsError`.
+    """
+    if isinstance(err, TorchInternalsError):
+        return err
+    out = internals_error(
+        feature,
+        f"a cleanup that works (it raised {type(err).__name__}: {err})",
+        "The next step would be wrong: restart from a checkpoint.",
+        cls=cls,
+    )
+    out.__cause__ = err
+    return out
+
+
 @contextlib.contextmanager
 def private_access(
     feature: str,

@@ -5,7 +5,6 @@ from .step import (
     by_parameter,
     clipped_gradients,
     hand_to_single_device,
-    make_handoff,
     unsupported_layers,
 )
 
@@ -14,6 +13,5 @@ __all__ = [
     "by_parameter",
     "clipped_gradients",
     "hand_to_single_device",
-    "make_handoff",
     "unsupported_layers",
 ]

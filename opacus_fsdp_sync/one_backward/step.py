@@ -90,50 +90,15 @@ def hand_to_single_device(grads: dict) -> None:
         p.grad = g if p.grad is None else p.grad + g
 
 
-def make_handoff(api: str | None, modules: list[nn.Module]):
-    """The function that delivers clipped gradients for an API.
-
-    One device: ``p.grad``. FSDP2: group by group, each group's unsharded gradients, then
-    FSDP2's own post-backward (:class:`~.fsdp2.FSDP2Handoff`, which computes the gradients
-    itself through its ``deliver``). FSDP1 (``use_orig_params=True``): each handle's unsharded
-    flat gradient, then FSDP1's own post-backward hooks and final callback. DDP: one bucketed
-    all-reduce averaging over ranks as DDP's reducer would (:class:`~.ddp.DDPHandoff`).
-
-    Returns:
-        A callable taking :func:`clipped_gradients`'s result, or an object with ``deliver``
-        (FSDP2), or None for an unknown API.
-
-    Raises:
-        OneBackwardUnavailable: with the reason, for a DDP setting the hand-off does not emulate.
-    """
-    if api is None:
-        return hand_to_single_device
-    if api == "fsdp2":
-        from .fsdp2 import FSDP2Handoff
-
-        return FSDP2Handoff(modules)
-    if api == "fsdp1":
-        from ..distributed import _fsdp1_internals as fsdp1
-
-        # Keyed by (module, attribute): FSDP1's own metadata maps a tied weight's uses to one
-        # slot of its flat parameter, where they add up (what by_parameter does elsewhere).
-        return lambda grads: fsdp1.reduce_clipped_gradients(modules[0], grads)
-    if api == "ddp":
-        from ..distributed import _ddp_internals
-        from .ddp import DDPHandoff
-
-        blocker = _ddp_internals.one_backward_blocker(modules[0])
-        if blocker is not None:
-            raise OneBackwardUnavailable(f"{blocker} is not supported by the DDP hand-off")
-        return DDPHandoff(modules[0])
-    return None
-
-
-def unsupported_layers(hooked: list[nn.Module], type_of, api: str | None) -> list[str]:
+def unsupported_layers(hooked: list[nn.Module], type_of, *, generic_replay: bool) -> list[str]:
     """Names of hooked layer types with no direct formula where the generic path cannot run.
 
-    The generic path needs full parameter values: always there on one device and under DDP.
+    Args:
+        hooked: The layers Opacus hooks.
+        type_of: Maps a module to the layer type Opacus sees.
+        generic_replay: Whether the API can replay a layer generically (it needs full parameter
+            values: one device and DDP can, the sharded APIs cannot).
     """
-    if api in (None, "ddp"):
+    if generic_replay:
         return []
     return sorted({type_of(m).__name__ for m in hooked if wg.direct_formula(m, type_of(m)) is None})

@@ -13,6 +13,31 @@ import threading
 import torch
 
 
+def noise_layout(tensors: list[torch.Tensor]) -> tuple[tuple, ...]:
+    """``((shape, dtype, device), ...)`` of ``tensors``: what :func:`draw_flat_noise` draws for."""
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def draw_flat_noise(layout: tuple[tuple, ...], std: float, generator) -> list[torch.Tensor]:
+    """``N(0, std^2)`` noise for each tensor of ``layout``, as views of one flat draw per key.
+
+    One buffer per ``(dtype, device)``, drawn in order of first appearance in ``layout`` (the
+    same draws whether this runs during the backward or at step time); the returned views follow
+    ``layout``'s order and shapes.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, dtype, device) in enumerate(layout):
+        groups.setdefault((dtype, device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(layout)
+    for (dtype, device), idx in groups.items():
+        numels = [layout[i][0].numel() for i in idx]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        flat.normal_(0.0, std, generator=generator)
+        for i, part in zip(idx, flat.split(numels)):
+            out[i] = part.view(layout[i][0])
+    return out
+
+
 class NoisePrefetch:
     """One pending draw: :func:`~.noised_step.draw_flat_noise` of ``layout`` at ``std``.
 
@@ -23,8 +48,6 @@ class NoisePrefetch:
     """
 
     def __init__(self, layout: tuple[tuple, ...], std: float, generator: torch.Generator):
-        from .noised_step import draw_flat_noise
-
         self.std = std
         self.layout = layout
         cuda = [device for (_, _, device) in layout if device.type == "cuda"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .noise_prefetch import NoisePrefetch, draw_flat_noise, noise_layout
+
 
 def noise_plan(
     *,
@@ -75,9 +77,20 @@ def add_scaled_into(noises: list[torch.Tensor], grads: list[torch.Tensor], facto
 class ScaledWithNoise:
     """Mixin: ``scale_grad`` does nothing after an ``add_noise`` that scaled (set ``_scaled``).
 
-    The base of this package's DP optimizers: each also knows how to restart its noise streams
-    from fresh OS entropy (:meth:`reseed_noise`).
+    The base of this package's DP optimizers, which implement the engine's whole optimizer
+    contract (:class:`~opacus_fsdp_sync.distributed.api.DPOptimizerOps`): draw noise ahead,
+    read gradients cleared to None, restart the noise streams from fresh OS entropy.
     """
+
+    #: Whether gradients cleared to None between the passes count as zeros.
+    accepts_none_grads = False
+    #: Set by an ``add_noise`` that scaled the gradients already (``scale_grad`` then skips).
+    _scaled = False
+    #: Noise drawn ahead for the next step (None: none pending).
+    _prefetched = None
+
+    def prefetch_noise(self) -> None:
+        """Nothing by default (the noise is drawn at step time)."""
 
     def reseed_noise(self) -> None:
         """Restarts every noise stream from OS entropy, dropping noise drawn ahead.
@@ -89,35 +102,10 @@ class ScaledWithNoise:
 
     def scale_grad(self) -> None:
         """Nothing when ``add_noise`` scaled already (always, in a step); else Opacus's division."""
-        if getattr(self, "_scaled", False):
+        if self._scaled:
             self._scaled = False
             return
         super().scale_grad()
-
-
-def noise_layout(tensors: list[torch.Tensor]) -> tuple[tuple, ...]:
-    """``((shape, dtype, device), ...)`` of ``tensors``: what :func:`draw_flat_noise` draws for."""
-    return tuple((t.shape, t.dtype, t.device) for t in tensors)
-
-
-def draw_flat_noise(layout: tuple[tuple, ...], std: float, generator) -> list[torch.Tensor]:
-    """``N(0, std^2)`` noise for each tensor of ``layout``, as views of one flat draw per key.
-
-    One buffer per ``(dtype, device)``, drawn in order of first appearance in ``layout`` (the
-    same draws whether this runs during the backward or at step time); the returned views follow
-    ``layout``'s order and shapes.
-    """
-    groups: dict[tuple, list[int]] = {}
-    for i, (_, dtype, device) in enumerate(layout):
-        groups.setdefault((dtype, device), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(layout)
-    for (dtype, device), idx in groups.items():
-        numels = [layout[i][0].numel() for i in idx]
-        flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        flat.normal_(0.0, std, generator=generator)
-        for i, part in zip(idx, flat.split(numels)):
-            out[i] = part.view(layout[i][0])
-    return out
 
 
 class FlatNoiseStep(ScaledWithNoise):
@@ -134,6 +122,8 @@ class FlatNoiseStep(ScaledWithNoise):
     _layout_key = None
     #: The layout of the last step's noised gradients (None before the first noised step).
     _drawn_layout = None
+    #: Cache key of :meth:`_param_states`.
+    _states_key = None
 
     def _noise_layout(self) -> tuple[tuple, ...] | None:
         """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
@@ -150,7 +140,7 @@ class FlatNoiseStep(ScaledWithNoise):
         """
         params = self.params
         key = self._param_states_key(params)
-        if getattr(self, "_states_key", None) != key:
+        if self._states_key != key:
             self._states_key = key
             self._states = [self.grad_state[p] for p in params]
         return params, self._states
@@ -165,7 +155,7 @@ class FlatNoiseStep(ScaledWithNoise):
 
     def _drop_prefetched(self) -> None:
         """Joins and discards noise drawn ahead (before the generator is replaced)."""
-        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
+        prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             prefetched.take(prefetched.std)
 
@@ -176,14 +166,12 @@ class FlatNoiseStep(ScaledWithNoise):
         by the engine at the start of every private backward; a draw not yet consumed (a skipped
         step) is kept for the next real step. Same seed, same noise as without it.
         """
-        if getattr(self, "_prefetched", None) is not None:
+        if self._prefetched is not None:
             return
         _, std = optimizer_noise_plan(self, 1)
         layout = self._noise_layout()
         if std == 0 or not layout:
             return
-        from .noise_prefetch import NoisePrefetch
-
         self._prefetched = NoisePrefetch(layout, std, self.generator)
 
     @torch.no_grad()
@@ -196,7 +184,7 @@ class FlatNoiseStep(ScaledWithNoise):
         ``scale_grad`` a no-op for this step.
         """
         factor, std = optimizer_noise_plan(self, self.accumulated_iterations)
-        prefetched, self._prefetched = getattr(self, "_prefetched", None), None
+        prefetched, self._prefetched = self._prefetched, None
         # Always joined (before the generator is used again), even when not used.
         drawn = prefetched.take(std if std else prefetched.std) if prefetched else None
         self._scaled = True

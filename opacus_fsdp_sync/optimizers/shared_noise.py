@@ -71,7 +71,7 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
 
     def reseed_noise(self) -> None:
         """A fresh shared stream from OS entropy on rank 0 (collective); drops noise drawn ahead."""
-        pending, self._prefetched = getattr(self, "_prefetched", None), None
+        pending, self._prefetched = self._prefetched, None
         if pending is not None:
             pending[1].result()
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -99,7 +99,7 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         at step time, so the shared noise is unchanged. A draw not yet consumed (a skipped step)
         is kept for the next real step.
         """
-        if getattr(self, "_prefetched", None) is not None or not self.params:
+        if self._prefetched is not None or not self.params:
             return
         _, std = optimizer_noise_plan(self, 1)
         if std == 0:
@@ -117,7 +117,7 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         summed`` is one pass (:mod:`.noised_step`), so :meth:`scale_grad` has nothing left to do.
         """
         factor, std = optimizer_noise_plan(self, self.accumulated_iterations)
-        pending, self._prefetched = getattr(self, "_prefetched", None), None
+        pending, self._prefetched = self._prefetched, None
         noises = None
         if pending is not None:
             drawn_std, ahead = pending

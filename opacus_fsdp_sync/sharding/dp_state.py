@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..optimizers.noised_step import ScaledWithNoise
-from ..randomness import DPRandomness
+from ..optimizers.ops import optimizer_ops
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def _settings(engine, optimizer) -> dict:
     return {
         "options": {
             k: v
-            for k, v in dataclasses.asdict(getattr(engine, "last_options", engine.options)).items()
+            for k, v in dataclasses.asdict(engine.last_options).items()
             if k != "timing"  # the only option that cannot change a bit of the result
         },
         "accountant": engine.accountant.mechanism(),
@@ -69,8 +68,8 @@ def _settings(engine, optimizer) -> dict:
 
 
 def _generator_state(optimizer) -> torch.Tensor | None:
-    gen = getattr(optimizer, "generator", None)
-    if gen is None or not hasattr(gen, "get_state"):
+    gen = optimizer.generator
+    if gen is None:
         return None
     try:
         return gen.get_state()
@@ -126,7 +125,7 @@ def dp_state(engine, optimizer) -> dict:
         optimizer: The DP optimizer ``make_private`` returned.
     """
     rank, world = _rank_world()
-    sampler = getattr(engine, "sampler", None)
+    sampler = engine.sampler
     return {
         "version": DP_STATE_VERSION,
         "rank": rank,
@@ -168,17 +167,17 @@ def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False)
             "fresh_noise=True to keep the accountant and sampler and restart every noise "
             "generator from OS entropy."
         )
-    if (getattr(engine, "sampler", None) is None) != (state["sampler"] is None):
+    if (engine.sampler is None) != (state["sampler"] is None):
         raise CheckpointMismatchError(
             "The checkpoint and this run disagree on the shared Poisson sampler (one has it, the "
             "other does not): resume with the same poisson_sampling and world layout."
         )
-    sampler = getattr(engine, "sampler", None)
-    for key in ("num_samples", "sample_rate", "steps") if sampler is not None else ():
-        if state["sampler"][key] != getattr(sampler, key):
+    now_sampler = {} if engine.sampler is None else engine.sampler.state_dict()
+    for key in ("num_samples", "sample_rate", "steps") if now_sampler else ():
+        if state["sampler"][key] != now_sampler[key]:
             raise CheckpointMismatchError(
                 f"The checkpoint's sampler has {key}={state['sampler'][key]}, this run "
-                f"{getattr(sampler, key)}: resume with the data loader (dataset and batch_size) "
+                f"{now_sampler[key]}: resume with the data loader (dataset and batch_size) "
                 "of the run that saved it."
             )
 
@@ -201,9 +200,8 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
     """
     check_dp_state(state, engine, optimizer, fresh_noise=fresh_noise)
     engine.accountant.load_state_dict(state["accountant"])
-    sampler = getattr(engine, "sampler", None)
-    if sampler is not None:
-        sampler.load_state_dict(state["sampler"])
+    if engine.sampler is not None:
+        engine.sampler.load_state_dict(state["sampler"])
     same_layout = _layout_difference(state["layout"], noise_layout(engine, optimizer)) is None
     if same_layout:
         # torch's generators carry no DP noise (the engine never draws from them), but dropout
@@ -223,11 +221,7 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
 
 def reseed_noise(engine, optimizer) -> None:
     """Restarts ``optimizer``'s noise from OS entropy (collective; secure noise has no state)."""
-    if isinstance(optimizer, ScaledWithNoise):
-        optimizer.reseed_noise()
-    elif not engine.secure_mode:
-        device = optimizer.params[0].device if optimizer.params else torch.device("cpu")
-        optimizer.generator = DPRandomness().generator("noise", device)
+    optimizer_ops(optimizer).reseed_noise()
 
 
 def dp_state_path(path: str, rank: int) -> str:

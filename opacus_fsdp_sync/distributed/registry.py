@@ -1,0 +1,44 @@
+"""The record of every distributed API, and detection that returns a model's record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import ddp, fsdp1, fsdp2, single
+from .api import ApiRecord
+from .detect import _get_fsdp_root_module
+
+#: Every API's record, by name (None: single device). A new API adds its module's record here.
+RECORDS: dict[str | None, ApiRecord] = {
+    record.name: record for record in (single.RECORD, ddp.RECORD, fsdp1.RECORD, fsdp2.RECORD)
+}
+
+
+def record_for(name: str | None) -> ApiRecord:
+    """The record of API ``name`` (None: single device).
+
+    Raises:
+        KeyError: naming the known APIs, for an unknown name.
+    """
+    try:
+        return RECORDS[name]
+    except KeyError:
+        known = sorted(map(str, RECORDS))
+        raise KeyError(f"unknown distributed API {name!r}; known: {known}") from None
+
+
+@dataclass(frozen=True)
+class Detected:
+    """A model's distributed API and the modules its record controls."""
+
+    record: ApiRecord
+    modules: list[nn.Module]
+    """The outermost wrapped modules (FSDP2 units, the FSDP1 root, the DDP module)."""
+
+
+def detect_api(module: object) -> Detected:
+    """The record of the API that wraps ``module`` (a model, or Opacus's wrapper of one)."""
+    root = _get_fsdp_root_module(module)
+    return Detected(record_for(root.api), root.modules)

@@ -1,0 +1,50 @@
+"""What the engine and the step may ask of any DP optimizer (``DPOptimizerOps``).
+
+This package's optimizers implement the contract themselves; Opacus's get a small adapter that
+has nothing to draw ahead, zero-fills cleared gradients, and restarts its noise from a fresh
+generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.api import DPOptimizerOps
+from .noised_step import ScaledWithNoise
+
+
+class OpacusOptimizerOps:
+    """The contract for Opacus's own DP optimizers.
+
+    Args:
+        optimizer: An Opacus ``DPOptimizer``.
+    """
+
+    accepts_none_grads = False
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def prefetch_noise(self) -> None:
+        """Nothing: Opacus draws its noise at step time."""
+
+    def reseed_noise(self) -> None:
+        """A fresh generator from OS entropy, the same on every rank (collective).
+
+        Under ``secure_mode`` the optimizer draws from the OS CSPRNG and has no state: nothing
+        to do.
+        """
+        from ..randomness import DPRandomness
+
+        if self.optimizer.secure_mode:
+            return
+        params = self.optimizer.params
+        device = params[0].device if params else torch.device("cpu")
+        self.optimizer.generator = DPRandomness().generator("noise", device)
+
+
+def optimizer_ops(optimizer) -> DPOptimizerOps:
+    """``optimizer`` itself when it is one of this package's, else Opacus's adapter."""
+    if isinstance(optimizer, ScaledWithNoise):
+        return optimizer
+    return OpacusOptimizerOps(optimizer)
