@@ -29,7 +29,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "opacus-fsdp-sync-compare=opacus_fsdp_sync.compare:main",
+            "opacus-fsdp-sync-compare=opacus_fsdp_sync.bench.compare:main",
             "opacus-fsdp-sync-train=opacus_fsdp_sync.train.__main__:main",
         ],
     },

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from opacus_fsdp_sync.compare import CompareConfig, main
+from opacus_fsdp_sync.bench.compare import CompareConfig, main
 from opacus_fsdp_sync.grad_access import (
     GradSnapshot,
     add_grads,

@@ -13,7 +13,8 @@ import statistics
 import matplotlib
 import pytest
 
-from opacus_fsdp_sync.profiling import MODES, PHASE_PARENT
+from opacus_fsdp_sync.bench.modes import MODES
+from opacus_fsdp_sync.profiling import PHASE_PARENT
 from tests.suite_scripts import load_script
 
 matplotlib.use("Agg")

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_experiment as pe  # noqa: E402  (the suite's model, data and loss)
 
 from opacus_fsdp_sync import PrivacyEngine  # noqa: E402
+from opacus_fsdp_sync.bench.modes import get_mode  # noqa: E402
 from opacus_fsdp_sync.distributed.env import init_distributed  # noqa: E402
 from opacus_fsdp_sync.models import LlamaSpec, build_llama  # noqa: E402
 from opacus_fsdp_sync.optimizers import noised_step  # noqa: E402
-from opacus_fsdp_sync.profiling import get_mode  # noqa: E402
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model  # noqa: E402
 
 logger = logging.getLogger("opacus_fsdp_sync.optimizer_breakdown")

@@ -24,7 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opacus_fsdp_sync.profiling import MODES, PHASE_PARENT
+from opacus_fsdp_sync.bench.modes import MODES
+from opacus_fsdp_sync.profiling import PHASE_PARENT
 
 #: The remainder segment: the measured step minus its timed top-level phases.
 OTHER = "other"

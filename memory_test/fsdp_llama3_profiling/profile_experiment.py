@@ -31,13 +31,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.bench.modes import get_mode
 from opacus_fsdp_sync.distributed.env import init_distributed
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
     SavedTensorsMeter,
     StepTimer,
-    get_mode,
     peak_memory,
     phase,
     reset_peak,
@@ -58,7 +58,7 @@ class ExperimentConfig:
     task: str = "causal_lm"
     """``causal_lm`` or ``seq_cls``."""
     mode: str = "ghost_fsdp_sync"
-    """A row of ``opacus_fsdp_sync.profiling.MODES``."""
+    """A row of ``opacus_fsdp_sync.bench.modes.MODES``."""
     fsdp_api: str = "fsdp2"
     """``fsdp2``, ``fsdp1`` (FullyShardedDataParallel, use_orig_params) or ``ddp``."""
     strategy: str = "full"

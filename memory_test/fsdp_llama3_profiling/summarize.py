@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from opacus_fsdp_sync.profiling import MODES
+from opacus_fsdp_sync.bench.modes import MODES
 
 COLUMNS = [
     "mode",

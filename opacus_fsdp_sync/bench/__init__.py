@@ -1,0 +1,13 @@
+"""Benchmark code: clients of the library, never imported by it.
+
+- :mod:`opacus_fsdp_sync.bench.compare`: the FSDP1-vs-FSDP2 parameter and gradient access
+  comparison suite (CLI ``opacus-fsdp-sync-compare``).
+- :mod:`opacus_fsdp_sync.bench.modes`: the profiling suite's modes, read by the harness under
+  ``memory_test/fsdp_llama3_profiling/`` and by the tests.
+
+The core package (everything outside this subpackage and the two re-export shims
+``opacus_fsdp_sync.compare`` and ``opacus_fsdp_sync.profiling.modes``) does not import it;
+``tests/test_bench.py`` checks that. It ships inside the package so that the console script and
+``python -m opacus_fsdp_sync.bench.compare`` work from an install, without a second top-level
+package.
+"""
