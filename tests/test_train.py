@@ -75,11 +75,65 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert resumed["epsilon"] == straight["epsilon"] and resumed["steps"] == 8
 
 
-def test_lora_trains_only_the_adapters(tmp_path):
+def _probe_check(model, export_dir):
+    import torch
+
+    probe = torch.load(export_dir / "probe_logits.pt")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=probe["input_ids"]).logits
+    return logits, probe["logits"]
+
+
+def test_export_loads_with_from_pretrained_and_init_from_continues(tmp_path):
+    """2 FSDP2 ranks: the export's logits equal those the trained (sharded) model computed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    summary, rows, stdout = _train(
+        tmp_path / "a", "--max-steps", "4", "--eval-every", "2", "--save-every", "2"
+    )
+    export = tmp_path / "a" / "model"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    logits, trained = _probe_check(model, export)
+    torch.testing.assert_close(logits, trained, atol=1e-6, rtol=0)
+    assert (tmp_path / "a" / "model-step000002" / "model.safetensors").is_file()
+    privacy = json.loads((export / "privacy.json").read_text())
+    assert privacy["epsilon"] == summary["epsilon"] and privacy["steps"] == 4
+    assert privacy["accountant"] == "prv" and privacy["delta"] == summary["delta"]
+    assert summary["privacy"] == privacy and "[Ghost] export:" in stdout
+    # a new run from the export starts where this one ended (same split: --seed)
+    _, rows_b, stdout = _train(
+        tmp_path / "b", "--init-from", str(export), "--max-steps", "1", nproc=1
+    )
+    assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
+
+
+def test_lora_trains_only_the_adapters_and_exports_adapter_and_merged(tmp_path):
     pytest.importorskip("peft")
-    summary, rows, _ = _train(tmp_path, "--lora", "--max-steps", "6", "--eval-every", "3")
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+
+    summary, rows, _ = _train(
+        tmp_path / "a", "--lora", "--merge-lora", "--max-steps", "6", "--eval-every", "3"
+    )
     assert summary["trainable"] and all("lora_" in n for n in summary["trainable"])
     assert summary["steps"] == 6
+    export = tmp_path / "a" / "model"
+    torch.manual_seed(0)  # the preset's base, as the trainer built it from --seed 0
+    adapted = PeftModel.from_pretrained(build_llama(LlamaSpec(preset="tiny")), export / "adapter")
+    logits, trained = _probe_check(adapted, export)
+    torch.testing.assert_close(logits, trained, atol=1e-6, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(export / "merged")
+    merged_logits, _ = _probe_check(merged, export)
+    torch.testing.assert_close(merged_logits, logits, atol=1e-5, rtol=0)  # merging reorders sums
+    _, rows_b, _ = _train(
+        tmp_path / "b", "--lora", "--init-from", str(export / "adapter"), "--max-steps", "1",
+        nproc=1,
+    )  # fmt: skip
+    assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
 
 
 def test_readme_quickstart_example_runs_with_poisson_sampling():

@@ -32,8 +32,14 @@ class TrainConfig:
     """Examples of the synthetic task."""
     seq_length: int = 16
     """Tokens per example."""
+    init_from: str | None = None
+    """Start from an export of an earlier run: a full model directory (instead of
+    ``model_path``/``model``), or a LoRA ``adapter/`` directory loaded on top of them (trained
+    on with ``lora``, else merged into the base)."""
     lora: bool = False
     """Train peft LoRA adapters (extra ``[lora]``) instead of every weight."""
+    merge_lora: bool = False
+    """With ``lora``: also export the adapters merged into the base (``merged/``)."""
     lora_r: int = 8
     """LoRA rank."""
     lora_alpha: float = 16.0
@@ -74,6 +80,9 @@ class TrainConfig:
     """Held-out loss every N logical steps (and at the end)."""
     checkpoint_every: int = 0
     """DCP checkpoint (with the DP state) every N logical steps; 0: none."""
+    save_every: int = 0
+    """Also export the model every N logical steps (``out/model-stepNNNNNN``); the final
+    export (``out/model``) is always written. 0: only the final one."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out``."""
     timing: bool = False
@@ -95,6 +104,11 @@ class TrainConfig:
         for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        for name in ("save_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
+        if self.merge_lora and not self.lora:
+            raise ValueError("merge_lora=True needs lora=True")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps}: at least 1 (or None)")
         if self.physical_batch_size is not None and self.physical_batch_size < 1:

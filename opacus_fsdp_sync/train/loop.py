@@ -22,45 +22,22 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..distributed.env import init_distributed
-from ..models import LlamaSpec, build_llama
 from ..privacy_engine import PrivacyEngine
-from ..sharding import ShardingConfig, load_checkpoint, save_checkpoint, shard_model
+from ..sharding import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import SYNTHETIC_VOCAB, file_dataset, split, synthetic_sequences
-from .privacy import NOT_PRIVATE, PRIVACY_NOTE, noise_for_target, plan_steps, privacy_unit
+from .export import export
+from .model import build_model, load_tokenizer, shard
+from .privacy import (
+    NOT_PRIVATE,
+    PRIVACY_NOTE,
+    guarantee,
+    noise_for_target,
+    plan_steps,
+    privacy_unit,
+)
 
 logger = logging.getLogger(__name__)
-
-_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def apply_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """LoRA adapters (peft) on every attention and MLP projection; the base weights frozen.
-
-    Raises:
-        ImportError: without peft (``pip install -e .[lora]``).
-    """
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:
-        raise ImportError("--lora needs peft: pip install -e '.[lora]'") from err
-    task = "CAUSAL_LM" if cfg.task == "causal_lm" else "SEQ_CLS"
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=_LORA_TARGETS,
-        task_type=task,
-    )
-    return get_peft_model(model, lora)
-
-
-def _tokenizer(cfg: TrainConfig):
-    if cfg.model_path is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model_path, local_files_only=True)
 
 
 def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset]:
@@ -74,7 +51,7 @@ def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDatase
             task=cfg.task,
             seq_length=cfg.seq_length,
             vocab=vocab,
-            tokenizer=_tokenizer(cfg),
+            tokenizer=load_tokenizer(cfg),
         )
     return split(data, cfg.heldout_fraction, cfg.seed)
 
@@ -127,34 +104,6 @@ def _save(out: Path, step: int, model, optimizer, engine, rank: int) -> None:
         (out / "checkpoints" / "latest").write_text(name)
 
 
-def _build(cfg: TrainConfig, device: torch.device):
-    spec = LlamaSpec(preset=cfg.model, task=cfg.task, model_path=cfg.model_path)
-    torch.manual_seed(cfg.seed)
-    model = build_llama(spec)
-    model.train()  # from_pretrained returns it in eval mode, which Opacus refuses
-    if cfg.lora:
-        model = apply_lora(model, cfg)
-    return model
-
-
-def _shard(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) -> nn.Module:
-    """The model sharded (or replicated) across ranks; on one process, as it is."""
-    if world == 1:
-        return model.to(device)
-    precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if cfg.fsdp_api == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = model.to(device)
-        return DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
-        )
-    sharding = ShardingConfig.for_precision(precision, strategy=cfg.strategy, backend=cfg.fsdp_api)
-    return shard_model(model, sharding, device=device)
-
-
 def train(cfg: TrainConfig) -> dict:
     """Runs the whole fine-tuning; returns the summary (rank 0 also writes it to ``out``).
 
@@ -168,10 +117,10 @@ def train(cfg: TrainConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
-    model = _build(cfg, device)
-    train_set, heldout = _datasets(cfg, model.config.vocab_size)
+    model, base_config = build_model(cfg)
+    train_set, heldout = _datasets(cfg, base_config.vocab_size)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    model = _shard(cfg, model, device, world)
+    model = shard(cfg, model, device, world)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     engine = PrivacyEngine(timing=cfg.timing, dp_seed=cfg.dp_seed)
     data_loader = DataLoader(train_set, batch_size=cfg.batch_size)
@@ -206,6 +155,22 @@ def train(cfg: TrainConfig) -> dict:
         poisson_sampling=cfg.poisson_sampling,
         grad_sample_mode="ghost_fsdp" if world > 1 and cfg.fsdp_api != "ddp" else "ghost",
     )
+
+    def save(path: Path, steps: int) -> dict:
+        epsilon = engine.get_epsilon(cfg.delta) if opt.noise_multiplier > 0 else math.inf
+        record = guarantee(
+            cfg,
+            epsilon=epsilon,
+            accountant=engine.accountant.mechanism(),
+            noise=opt.noise_multiplier,
+            plan=plan,
+            steps=steps,
+        )
+        export(
+            path, gsm, cfg=cfg, base_config=base_config, privacy=record, device=device, rank=rank
+        )
+        return record
+
     step = 0
     latest = _latest(out) if cfg.resume else None
     if cfg.resume and latest is None:
@@ -266,6 +231,8 @@ def train(cfg: TrainConfig) -> dict:
                 row["epsilon"] = last_epsilon = engine.get_epsilon(cfg.delta)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 _save(out, step, gsm, opt, engine, rank)
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                save(out / f"model-step{step:06d}", step)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -284,7 +251,8 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
     if dist.is_initialized():
         dist.all_reduce(seen)
-    epsilon = engine.get_epsilon(cfg.delta) if opt.noise_multiplier > 0 else math.inf
+    record = save(out / "model", step)
+    epsilon = record["epsilon"]
     summary = {
         "epsilon": epsilon,
         "delta": cfg.delta,
@@ -297,6 +265,8 @@ def train(cfg: TrainConfig) -> dict:
         "trainable": trainable,
         "privacy_unit": privacy_unit(cfg),
         "not_private": list(NOT_PRIVATE),
+        "privacy": record,
+        "export": str(out / "model"),
     }
     if rank == 0:
         metrics.close()

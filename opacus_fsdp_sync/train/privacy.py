@@ -133,3 +133,35 @@ def privacy_unit(cfg: TrainConfig) -> str:
         f"one example: a chunk of {cfg.seq_length} consecutive tokens of {cfg.data}'s "
         "concatenated records (a record spanning k chunks is protected as a group of k)"
     )
+
+
+def guarantee(
+    cfg: TrainConfig, *, epsilon: float, accountant: str, noise: float, plan: StepPlan, steps: int
+) -> dict:
+    """The privacy record of a run, for ``summary.json`` and each export's ``privacy.json``.
+
+    Args:
+        cfg: The run's configuration.
+        epsilon: The accountant's epsilon at ``cfg.delta`` after ``steps`` (inf without noise).
+        accountant: The accountant's mechanism (``"prv"``, ``"rdp"``, ``"gdp"``).
+        noise: The noise multiplier (sigma).
+        plan: The run's steps and sample rate.
+        steps: Logical steps taken (and counted by the accountant) so far.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    return {
+        "accountant": accountant,
+        "epsilon": epsilon,
+        "delta": cfg.delta,
+        "sample_rate": plan.sample_rate,
+        "steps": steps,
+        "noise_multiplier": noise,
+        "max_grad_norm": cfg.max_grad_norm,
+        "poisson_sampling": cfg.poisson_sampling,
+        "privacy_unit": privacy_unit(cfg),
+        "secure_mode": False,
+        "dp_seed_given": cfg.dp_seed is not None,
+        "not_private": NOT_PRIVATE,
+    }
