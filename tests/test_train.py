@@ -163,30 +163,32 @@ def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
     assert 3.95 <= summary["epsilon"] <= 4.0 + 1e-6  # the noise was chosen for the steps run
     # one process takes the same sampler as several (draws handed out once, counted as drawn)
     assert "[Ghost] sampling: shared Poisson draw" in stdout and "across 1 rank(s)" in stdout
-    assert summary["privacy_unit"].startswith(
-        f"one example: a chunk of 16 consecutive tokens of {data}"
-    )
+    assert summary["privacy_unit"].startswith(f"one record of {data} (one example")
+    assert summary["records"] == 300 and summary["records_truncated"] == 300
+    assert "[Ghost] data: 300 records (text), one example and one privacy unit each" in stdout
     assert "heldout_loss" in summary["not_private"]
 
 
-def test_local_hugging_face_model_and_tokenizer(tmp_path):
-    """A model directory as users keep one: weights and a tokenizer, loaded without a hub."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def test_local_hugging_face_model_and_tokenizer_with_chat_records(tmp_path):
+    """A model directory as users keep one: weights and a tokenizer with a chat template,
+    loaded without a hub; JSONL records of chat messages and of plain text."""
     from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from tests.test_train_data import CHAT_TEMPLATE, _word_tokenizer
 
-    words = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path / "model"
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]") \
-        .save_pretrained(path)  # fmt: skip
+    path = _word_tokenizer(tmp_path / "model", CHAT_TEMPLATE)
     build_llama(LlamaSpec(preset="tiny")).save_pretrained(path)
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(f"w{(i + j) % 40}" for j in range(12)) for i in range(200)))
+    records = []
+    for i in range(200):
+        words = [f"w{(i + j) % 40}" for j in range(6)]
+        chat = [{"role": "user", "content": " ".join(words[:3])},
+                {"role": "assistant", "content": " ".join(words[3:])}]  # fmt: skip
+        records.append({"messages": chat} if i % 2 else {"text": " ".join(words)})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
     summary, rows, stdout = _train(
-        tmp_path / "out", "--model-path", str(path), "--data", str(text), "--max-steps", "4",
+        tmp_path / "out", "--model-path", str(path), "--data", str(data), "--max-steps", "4",
         "--eval-every", "2", nproc=1,
     )  # fmt: skip
     assert summary["steps"] == 4 and rows[0]["heldout_loss"] > 0
+    assert summary["records"] == 200 and summary["record_kind"] == "messages+text"
+    assert (tmp_path / "out" / "model" / "tokenizer.json").is_file()  # exported with the model

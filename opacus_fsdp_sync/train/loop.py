@@ -25,7 +25,7 @@ from ..distributed.env import init_distributed
 from ..privacy_engine import PrivacyEngine
 from ..sharding import load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import SYNTHETIC_VOCAB, file_dataset, split, synthetic_sequences
+from .data import IGNORE, SYNTHETIC_VOCAB, Examples, file_dataset, split, synthetic_sequences
 from .export import export
 from .model import build_model, load_tokenizer, shard
 from .privacy import (
@@ -40,36 +40,47 @@ from .privacy import (
 logger = logging.getLogger(__name__)
 
 
-def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset]:
+def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset, Examples]:
+    """``(train, held-out, all examples)``."""
     if cfg.data is None:
         if vocab <= SYNTHETIC_VOCAB:
             raise ValueError(f"the synthetic task needs a vocabulary above {SYNTHETIC_VOCAB}")
-        data = synthetic_sequences(cfg.num_examples, cfg.seq_length, cfg.seed)
+        data = synthetic_sequences(cfg.num_examples, cfg.seq_length, cfg.seed, cfg.task)
+        examples = Examples(data, cfg.num_examples, 0, "synthetic")
     else:
-        data = file_dataset(
+        examples = file_dataset(
             cfg.data,
             task=cfg.task,
             seq_length=cfg.seq_length,
             vocab=vocab,
             tokenizer=load_tokenizer(cfg),
         )
-    return split(data, cfg.heldout_fraction, cfg.seed)
+    return (*split(examples.data, cfg.heldout_fraction, cfg.seed), examples)
 
 
 def _loss(cfg: TrainConfig, model, criterion, ids, labels, private: bool = True):
+    """The batch's loss; ``causal_lm``: next-token cross-entropy, ``IGNORE`` labels skipped.
+
+    Per example (the DP criterion, given ``shape``), the loss is the mean over the example's
+    trained tokens (Opacus divides each row's sum by its count of labels other than the
+    criterion's ``ignore_index``), so every example weighs the same before clipping.
+    """
     if cfg.task == "seq_cls":
         return criterion(model(input_ids=ids).logits, labels)
     logits = model(input_ids=ids).logits[:, :-1]
-    flat = (logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    flat = (logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
     return criterion(*flat, shape=logits.shape[:2]) if private else criterion(*flat)
 
 
 @torch.no_grad()
 def heldout_loss(cfg: TrainConfig, model, data: TensorDataset, device, batch: int = 32) -> float:
-    """Mean held-out loss; every rank evaluates the whole (small) set, in the same batches."""
+    """Mean held-out loss per trained token (per example for ``seq_cls``).
+
+    Every rank evaluates the whole (small) set, in the same batches.
+    """
     was = model.training
     model.eval()
-    plain = nn.CrossEntropyLoss(reduction="sum")
+    plain = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE)
     total, count = 0.0, 0
     ids_all, labels_all = data.tensors
     for i in range(0, len(ids_all), batch):
@@ -79,8 +90,9 @@ def heldout_loss(cfg: TrainConfig, model, data: TensorDataset, device, batch: in
             count += len(ids)
         else:
             logits = model(input_ids=ids).logits[:, :-1].float()
-            total += plain(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
-            count += ids[:, 1:].numel()
+            targets = labels[:, 1:]
+            total += plain(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+            count += int((targets != IGNORE).sum())
     model.train(was)
     return total / max(count, 1)
 
@@ -118,7 +130,18 @@ def train(cfg: TrainConfig) -> dict:
         logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
     model, base_config = build_model(cfg)
-    train_set, heldout = _datasets(cfg, base_config.vocab_size)
+    train_set, heldout, examples = _datasets(cfg, base_config.vocab_size)
+    if rank == 0:
+        logger.info(
+            "[Ghost] data: %d records (%s), one example and one privacy unit each; %d cut to "
+            "--seq-length %d; %d train, %d held out",
+            examples.records,
+            examples.kind,
+            examples.truncated,
+            cfg.seq_length,
+            len(train_set),
+            len(heldout),
+        )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     model = shard(cfg, model, device, world)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
@@ -264,6 +287,9 @@ def train(cfg: TrainConfig) -> dict:
         "world_size": world,
         "trainable": trainable,
         "privacy_unit": privacy_unit(cfg),
+        "records": examples.records,
+        "records_truncated": examples.truncated,
+        "record_kind": examples.kind,
         "not_private": list(NOT_PRIVATE),
         "privacy": record,
         "export": str(out / "model"),

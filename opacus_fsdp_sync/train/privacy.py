@@ -36,9 +36,9 @@ PRIVACY_NOTE = (
     "summary.json; the held-out split comes from the same private data) are computed without "
     "noise; examples_seen and the timings follow the realized Poisson batch sizes; checkpoints "
     "hold the sampler's seed and the noise generators' states. Keep all of them as private as "
-    "the data. Privacy unit: one example of the synthetic task; with --data, one record (line) for "
-    "--task seq_cls, one --seq-length chunk of the concatenated text for causal_lm (a record "
-    "spanning k chunks is protected as a group of k)."
+    "the data. Privacy unit: one example of the synthetic task; with --data, one record (a line "
+    "of .txt, a JSON line, a data set row), which is one example, never concatenated with "
+    "another."
 )
 
 
@@ -127,11 +127,9 @@ def privacy_unit(cfg: TrainConfig) -> str:
     """
     if cfg.data is None:
         return "one example (one sequence) of the built-in synthetic task"
-    if cfg.task == "seq_cls":
-        return f"one record (one line) of {cfg.data}"
     return (
-        f"one example: a chunk of {cfg.seq_length} consecutive tokens of {cfg.data}'s "
-        "concatenated records (a record spanning k chunks is protected as a group of k)"
+        f"one record of {cfg.data} (one example, cut or padded to {cfg.seq_length} tokens, "
+        "never concatenated with another record)"
     )
 
 
