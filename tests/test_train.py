@@ -61,18 +61,33 @@ def test_same_seed_draws_other_batches_and_noise_unless_dp_seed(tmp_path):
 
 
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """A run that went past its step-4 checkpoint and died before the next one, resumed."""
     # --dp-seed: the two runs compared must draw the same batches and noise
-    common = ("--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2", "--dp-seed", "5")
+    common = (
+        "--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2", "--dp-seed", "5",
+        "--lr-schedule", "cosine", "--warmup-steps", "2", "--weight-decay", "0.01",
+    )  # fmt: skip
     straight, rows_a, _ = _train(tmp_path / "a", *common)
-    _train(tmp_path / "b", *common[2:], "--max-steps", "4")
+    _train(tmp_path / "b", *common)
+    # steps 5-8 ran and were logged, then the run died before its step-8 checkpoint was written
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step000004")
     resumed, rows_b, stdout = _train(tmp_path / "b", *common, "--resume")
-    assert "resumed from" in stdout
+    assert "resumed from" in stdout and "(4 metrics rows after it dropped)" in stdout
+    assert [r["step"] for r in rows_b] == list(range(9))  # each step once
     later_a = [r for r in rows_a if r["step"] > 4]
     later_b = [r for r in rows_b if r["step"] > 4]
+    # equal rows need the schedule resumed at step 4 (a fresh one would restart the warm-up)
     assert later_a and [{k: v for k, v in r.items() if k != "step_ms"} for r in later_a] == [
         {k: v for k, v in r.items() if k != "step_ms"} for r in later_b
     ]
     assert resumed["epsilon"] == straight["epsilon"] and resumed["steps"] == 8
+    assert resumed["examples_seen"] == straight["examples_seen"]
+    assert resumed["wall_s"] > straight["wall_s"] / 2  # the steps before the checkpoint count
+    privacy = resumed["privacy"]
+    assert (privacy["accountant"], privacy["steps"], privacy["max_grad_norm"]) == ("prv", 8, 1.0)
+    assert privacy["sample_rate"] == pytest.approx(1 / 15) and privacy["secure_mode"] is False
+    assert resumed["config"]["lr_schedule"] == "cosine"
+    assert resumed["model"]["class"] == "LlamaForCausalLM"
 
 
 def _probe_check(model, export_dir):

@@ -69,8 +69,17 @@ class TrainConfig:
     """Passes over the training set (``epochs x steps per epoch`` logical steps, rounded down)."""
     max_steps: int | None = None
     """Stop after this many logical steps (None: ``epochs``); a target epsilon is met here."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``sgd``."""
     lr: float = 3e-3
-    """AdamW learning rate."""
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for AdamW)."""
+    lr_schedule: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` (decay to 0 at the last step), after the warm-up;
+    stepped once per logical step and resumed with the checkpoint."""
+    warmup_steps: int = 0
+    """Logical steps of linear warm-up from 0 to ``lr``."""
     seed: int = 0
     """Model initialisation and the data split only: never the Poisson draws or the noise."""
     dp_seed: int | None = None
@@ -107,6 +116,12 @@ class TrainConfig:
         for name in ("save_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r}: choose adamw or sgd")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: constant, linear or cosine")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:
+            raise ValueError("warmup_steps >= 0, weight_decay >= 0 and lr > 0 required")
         if self.merge_lora and not self.lora:
             raise ValueError("merge_lora=True needs lora=True")
         if self.max_steps is not None and self.max_steps < 1:

@@ -9,6 +9,7 @@ manager are the package's and Opacus's own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from opacus.accountants import RDPAccountant
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -27,7 +29,8 @@ from ..sharding import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import IGNORE, SYNTHETIC_VOCAB, Examples, file_dataset, split, synthetic_sequences
 from .export import export
-from .model import build_model, load_tokenizer, shard
+from .model import base_path, build_model, load_tokenizer, shard
+from .optim import build_optimizer, build_scheduler
 from .privacy import (
     NOT_PRIVATE,
     PRIVACY_NOTE,
@@ -36,6 +39,7 @@ from .privacy import (
     plan_steps,
     privacy_unit,
 )
+from .run_state import load_run_state, save_run_state, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +147,17 @@ def train(cfg: TrainConfig) -> dict:
             len(heldout),
         )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_class = type(base_model).__name__  # before FSDP2 renames the class
     model = shard(cfg, model, device, world)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
     engine = PrivacyEngine(timing=cfg.timing, dp_seed=cfg.dp_seed)
     data_loader = DataLoader(train_set, batch_size=cfg.batch_size)
     plan = plan_steps(steps_per_epoch=len(data_loader), epochs=cfg.epochs, max_steps=cfg.max_steps)
     total_steps = plan.total_steps
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
     noise = cfg.noise_multiplier
     if cfg.target_epsilon is not None:
         # Calibrated for the steps run: make_private_with_epsilon calibrates for
@@ -194,14 +203,22 @@ def train(cfg: TrainConfig) -> dict:
         )
         return record
 
-    step = 0
+    step, seen_before, wall_before = 0, 0, 0.0
     latest = _latest(out) if cfg.resume else None
     if cfg.resume and latest is None:
         logger.warning("[Ghost] --resume: no checkpoint in %s; starting afresh", out)
     if latest is not None:
         load_checkpoint(str(latest), gsm, opt, engine=engine)
         step = _steps_taken(engine)
-        logger.info("[Ghost] resumed from %s at step %d", latest, step)
+        saved = load_run_state(latest, scheduler=scheduler)
+        seen_before, wall_before = saved["examples_seen"], saved["wall_s"]
+        dropped = truncate_metrics(out / "metrics.jsonl", step) if rank == 0 else 0
+        logger.info(
+            "[Ghost] resumed from %s at step %d (%d metrics rows after it dropped)",
+            latest,
+            step,
+            dropped,
+        )
     if rank == 0:
         logger.info(
             "[Ghost] train: %d logical steps, expected batch %d over %d rank(s), noise %.4g, "
@@ -221,7 +238,8 @@ def train(cfg: TrainConfig) -> dict:
         if metrics is not None:
             metrics.write(json.dumps({"step": 0, "heldout_loss": first, "epsilon": 0.0}) + "\n")
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
-    seen = torch.zeros((), dtype=torch.long)
+    seen = torch.tensor(seen_before if rank == 0 else 0, dtype=torch.long)
+    bar_accountant = RDPAccountant()  # cheap enough for every step; the PRV epsilon is exact
     run_loss, run_count, tokens, step_start = 0.0, 0, 0, time.perf_counter()
     last_heldout = None
     while step < total_steps:
@@ -246,19 +264,33 @@ def train(cfg: TrainConfig) -> dict:
             if engine.optimizer_steps == before:
                 continue  # a physical batch inside the logical step
             step += 1
+            scheduler.step()
             step_ms = (time.perf_counter() - step_start) * 1e3
             row = {"step": step, "train_loss": run_loss / max(run_count, 1), "step_ms": step_ms}
             if step % cfg.eval_every == 0 or step == total_steps:
                 last_heldout = heldout_loss(cfg, gsm, heldout, device)
                 row["heldout_loss"] = last_heldout
                 row["epsilon"] = last_epsilon = engine.get_epsilon(cfg.delta)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                _save(out, step, gsm, opt, engine, rank)
-            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                save(out / f"model-step{step:06d}", step)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                total_seen = seen.clone()
+                if dist.is_initialized():
+                    dist.all_reduce(total_seen)
+                _save(out, step, gsm, opt, engine, rank)
+                if rank == 0:
+                    save_run_state(
+                        _latest(out),
+                        scheduler=scheduler,
+                        examples_seen=int(total_seen),
+                        wall_s=wall_before + time.perf_counter() - start_time,
+                    )
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                save(out / f"model-step{step:06d}", step)
+            if rank == 0 and opt.noise_multiplier > 0:
+                bar_accountant.history = list(engine.accountant.history)
+                last_epsilon = bar_accountant.get_epsilon(cfg.delta)
             bar.set_postfix(
                 loss=f"{row['train_loss']:.3f}",
                 eps=f"{last_epsilon:.2f}",
@@ -283,7 +315,7 @@ def train(cfg: TrainConfig) -> dict:
         "steps": step,
         "examples_seen": int(seen.item()),
         "heldout_loss": last_heldout,
-        "wall_s": time.perf_counter() - start_time,
+        "wall_s": wall_before + time.perf_counter() - start_time,
         "world_size": world,
         "trainable": trainable,
         "privacy_unit": privacy_unit(cfg),
@@ -293,6 +325,13 @@ def train(cfg: TrainConfig) -> dict:
         "not_private": list(NOT_PRIVATE),
         "privacy": record,
         "export": str(out / "model"),
+        "model": {
+            "class": model_class,
+            "source": base_path(cfg) or f"preset {cfg.model} (seed {cfg.seed})",
+            "parameters": n_params,
+            "trainable_parameters": n_trainable,
+        },
+        "config": dataclasses.asdict(cfg),
     }
     if rank == 0:
         metrics.close()
