@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..distributed.env import init_distributed
 from ..privacy_engine import PrivacyEngine
 from ..sharding import load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, check_out
 from .data import IGNORE, SYNTHETIC_VOCAB, Examples, file_dataset, split, synthetic_sequences
 from .export import export
 from .model import base_path, build_model, load_tokenizer, shard
@@ -127,10 +127,14 @@ def train(cfg: TrainConfig) -> dict:
     """
     from tqdm import tqdm
 
+    check_out(cfg)
     rank, world, device = init_distributed()
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if cfg.overwrite and not cfg.resume:
+            for name in ("metrics.jsonl", "summary.json", "checkpoints/latest"):
+                (out / name).unlink(missing_ok=True)
         logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
     model, base_config = build_model(cfg)
