@@ -18,6 +18,7 @@ setup(
         "llama": ["transformers>=4.45"],
         "plot": ["matplotlib"],
         "lora": ["peft>=0.13", "transformers>=4.45"],
+        "data": ["datasets"],
         "dev": [
             "pytest>=7",
             "pytest-timeout",
@@ -25,6 +26,7 @@ setup(
             "transformers>=4.45",
             "matplotlib",
             "peft>=0.13",
+            "datasets",
         ],
     },
     entry_points={

@@ -61,25 +61,94 @@ def test_same_seed_draws_other_batches_and_noise_unless_dp_seed(tmp_path):
 
 
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """A run that went past its step-4 checkpoint and died before the next one, resumed."""
     # --dp-seed: the two runs compared must draw the same batches and noise
-    common = ("--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2", "--dp-seed", "5")
+    common = (
+        "--max-steps", "8", "--checkpoint-every", "4", "--eval-every", "2", "--dp-seed", "5",
+        "--lr-schedule", "cosine", "--warmup-steps", "2", "--weight-decay", "0.01",
+    )  # fmt: skip
     straight, rows_a, _ = _train(tmp_path / "a", *common)
-    _train(tmp_path / "b", *common[2:], "--max-steps", "4")
+    _train(tmp_path / "b", *common)
+    # steps 5-8 ran and were logged, then the run died before its step-8 checkpoint was written
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step000004")
     resumed, rows_b, stdout = _train(tmp_path / "b", *common, "--resume")
-    assert "resumed from" in stdout
+    assert "resumed from" in stdout and "(4 metrics rows after it dropped)" in stdout
+    assert [r["step"] for r in rows_b] == list(range(9))  # each step once
     later_a = [r for r in rows_a if r["step"] > 4]
     later_b = [r for r in rows_b if r["step"] > 4]
+    # equal rows need the schedule resumed at step 4 (a fresh one would restart the warm-up)
     assert later_a and [{k: v for k, v in r.items() if k != "step_ms"} for r in later_a] == [
         {k: v for k, v in r.items() if k != "step_ms"} for r in later_b
     ]
     assert resumed["epsilon"] == straight["epsilon"] and resumed["steps"] == 8
+    assert resumed["examples_seen"] == straight["examples_seen"]
+    assert resumed["wall_s"] > straight["wall_s"] / 2  # the steps before the checkpoint count
+    privacy = resumed["privacy"]
+    assert (privacy["accountant"], privacy["steps"], privacy["max_grad_norm"]) == ("prv", 8, 1.0)
+    assert privacy["sample_rate"] == pytest.approx(1 / 15) and privacy["secure_mode"] is False
+    assert resumed["config"]["lr_schedule"] == "cosine"
+    assert resumed["model"]["class"] == "LlamaForCausalLM"
 
 
-def test_lora_trains_only_the_adapters(tmp_path):
+def _probe_check(model, export_dir):
+    import torch
+
+    probe = torch.load(export_dir / "probe_logits.pt")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=probe["input_ids"]).logits
+    return logits, probe["logits"]
+
+
+def test_export_loads_with_from_pretrained_and_init_from_continues(tmp_path):
+    """2 FSDP2 ranks: the export's logits equal those the trained (sharded) model computed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    summary, rows, stdout = _train(
+        tmp_path / "a", "--max-steps", "4", "--eval-every", "2", "--save-every", "2"
+    )
+    export = tmp_path / "a" / "model"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    logits, trained = _probe_check(model, export)
+    torch.testing.assert_close(logits, trained, atol=1e-6, rtol=0)
+    assert (tmp_path / "a" / "model-step000002" / "model.safetensors").is_file()
+    privacy = json.loads((export / "privacy.json").read_text())
+    assert privacy["epsilon"] == summary["epsilon"] and privacy["steps"] == 4
+    assert privacy["accountant"] == "prv" and privacy["delta"] == summary["delta"]
+    assert summary["privacy"] == privacy and "[Ghost] export:" in stdout
+    # a new run from the export starts where this one ended (same split: --seed)
+    _, rows_b, stdout = _train(
+        tmp_path / "b", "--init-from", str(export), "--max-steps", "1", nproc=1
+    )
+    assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
+
+
+def test_lora_trains_only_the_adapters_and_exports_adapter_and_merged(tmp_path):
     pytest.importorskip("peft")
-    summary, rows, _ = _train(tmp_path, "--lora", "--max-steps", "6", "--eval-every", "3")
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+
+    summary, rows, _ = _train(
+        tmp_path / "a", "--lora", "--merge-lora", "--max-steps", "6", "--eval-every", "3"
+    )
     assert summary["trainable"] and all("lora_" in n for n in summary["trainable"])
     assert summary["steps"] == 6
+    export = tmp_path / "a" / "model"
+    torch.manual_seed(0)  # the preset's base, as the trainer built it from --seed 0
+    adapted = PeftModel.from_pretrained(build_llama(LlamaSpec(preset="tiny")), export / "adapter")
+    logits, trained = _probe_check(adapted, export)
+    torch.testing.assert_close(logits, trained, atol=1e-6, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(export / "merged")
+    merged_logits, _ = _probe_check(merged, export)
+    torch.testing.assert_close(merged_logits, logits, atol=1e-5, rtol=0)  # merging reorders sums
+    _, rows_b, _ = _train(
+        tmp_path / "b", "--lora", "--init-from", str(export / "adapter"), "--max-steps", "1",
+        nproc=1,
+    )  # fmt: skip
+    assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
 
 
 def test_readme_quickstart_example_runs_with_poisson_sampling():
@@ -109,30 +178,32 @@ def test_one_process_on_a_jsonl_file_with_a_target_epsilon(tmp_path):
     assert 3.95 <= summary["epsilon"] <= 4.0 + 1e-6  # the noise was chosen for the steps run
     # one process takes the same sampler as several (draws handed out once, counted as drawn)
     assert "[Ghost] sampling: shared Poisson draw" in stdout and "across 1 rank(s)" in stdout
-    assert summary["privacy_unit"].startswith(
-        f"one example: a chunk of 16 consecutive tokens of {data}"
-    )
+    assert summary["privacy_unit"].startswith(f"one record of {data} (one example")
+    assert summary["records"] == 300 and summary["records_truncated"] == 300
+    assert "[Ghost] data: 300 records (text), one example and one privacy unit each" in stdout
     assert "heldout_loss" in summary["not_private"]
 
 
-def test_local_hugging_face_model_and_tokenizer(tmp_path):
-    """A model directory as users keep one: weights and a tokenizer, loaded without a hub."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def test_local_hugging_face_model_and_tokenizer_with_chat_records(tmp_path):
+    """A model directory as users keep one: weights and a tokenizer with a chat template,
+    loaded without a hub; JSONL records of chat messages and of plain text."""
     from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from tests.test_train_data import CHAT_TEMPLATE, _word_tokenizer
 
-    words = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path / "model"
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]") \
-        .save_pretrained(path)  # fmt: skip
+    path = _word_tokenizer(tmp_path / "model", CHAT_TEMPLATE)
     build_llama(LlamaSpec(preset="tiny")).save_pretrained(path)
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(f"w{(i + j) % 40}" for j in range(12)) for i in range(200)))
+    records = []
+    for i in range(200):
+        words = [f"w{(i + j) % 40}" for j in range(6)]
+        chat = [{"role": "user", "content": " ".join(words[:3])},
+                {"role": "assistant", "content": " ".join(words[3:])}]  # fmt: skip
+        records.append({"messages": chat} if i % 2 else {"text": " ".join(words)})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
     summary, rows, stdout = _train(
-        tmp_path / "out", "--model-path", str(path), "--data", str(text), "--max-steps", "4",
+        tmp_path / "out", "--model-path", str(path), "--data", str(data), "--max-steps", "4",
         "--eval-every", "2", nproc=1,
     )  # fmt: skip
     assert summary["steps"] == 4 and rows[0]["heldout_loss"] > 0
+    assert summary["records"] == 200 and summary["record_kind"] == "messages+text"
+    assert (tmp_path / "out" / "model" / "tokenizer.json").is_file()  # exported with the model

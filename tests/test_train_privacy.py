@@ -22,7 +22,7 @@ DELTA = 1e-5
 
 def _steps_per_epoch(cfg: TrainConfig) -> int:
     """As the trainer sizes the loader it hands to make_private: after the held-out split."""
-    train_set, _ = _datasets(cfg, vocab=64)
+    train_set, _, _ = _datasets(cfg, vocab=64)
     return len(DataLoader(train_set, batch_size=cfg.batch_size))
 
 
@@ -90,4 +90,4 @@ def test_help_says_what_is_not_private_and_the_privacy_unit(capsys):
     assert "Not private" in text and "computed without noise" in text
     assert "train loss" in text and "held-out loss" in text and "checkpoints hold" in text
     assert "Privacy unit: one example of the synthetic task" in text
-    assert "one record (line) for --task seq_cls" in text
+    assert "one record (a line of .txt, a JSON line, a data set row)" in text

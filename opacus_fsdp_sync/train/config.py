@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..models.llama import PRESETS, TASKS
 from .privacy import PRIVACY_NOTE
+
+#: The allowed values of the fields that take one of a few (checked, and shown by ``--help``).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": tuple(TASKS),
+    "fsdp_api": ("fsdp2", "fsdp1", "ddp"),
+    "mixed_precision": ("auto", "bf16", "fp32"),
+    "optimizer": ("adamw", "sgd"),
+    "lr_schedule": ("constant", "linear", "cosine"),
+}
 
 
 @dataclass(kw_only=True)
@@ -32,8 +46,14 @@ class TrainConfig:
     """Examples of the synthetic task."""
     seq_length: int = 16
     """Tokens per example."""
+    init_from: str | None = None
+    """Start from an export of an earlier run: a full model directory (instead of
+    ``model_path``/``model``), or a LoRA ``adapter/`` directory loaded on top of them (trained
+    on with ``lora``, else merged into the base)."""
     lora: bool = False
     """Train peft LoRA adapters (extra ``[lora]``) instead of every weight."""
+    merge_lora: bool = False
+    """With ``lora``: also export the adapters merged into the base (``merged/``)."""
     lora_r: int = 8
     """LoRA rank."""
     lora_alpha: float = 16.0
@@ -63,8 +83,17 @@ class TrainConfig:
     """Passes over the training set (``epochs x steps per epoch`` logical steps, rounded down)."""
     max_steps: int | None = None
     """Stop after this many logical steps (None: ``epochs``); a target epsilon is met here."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``sgd``."""
     lr: float = 3e-3
-    """AdamW learning rate."""
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for AdamW)."""
+    lr_schedule: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` (decay to 0 at the last step), after the warm-up;
+    stepped once per logical step and resumed with the checkpoint."""
+    warmup_steps: int = 0
+    """Logical steps of linear warm-up from 0 to ``lr``."""
     seed: int = 0
     """Model initialisation and the data split only: never the Poisson draws or the noise."""
     dp_seed: int | None = None
@@ -74,27 +103,43 @@ class TrainConfig:
     """Held-out loss every N logical steps (and at the end)."""
     checkpoint_every: int = 0
     """DCP checkpoint (with the DP state) every N logical steps; 0: none."""
+    save_every: int = 0
+    """Also export the model every N logical steps (``out/model-stepNNNNNN``); the final
+    export (``out/model``) is always written. 0: only the final one."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out``."""
     timing: bool = False
     """``[Ghost]`` per-phase timings."""
     out: str = "runs/train"
-    """Directory for ``metrics.jsonl``, ``metrics.png``, ``summary.json`` and checkpoints."""
+    """Directory for ``metrics.jsonl``, ``metrics.png``, ``summary.json``, checkpoints and the
+    exported model; one that holds a run is refused unless ``resume`` or ``overwrite``."""
+    overwrite: bool = False
+    """Train into an ``out`` that holds an earlier run (its files are replaced)."""
 
     def __post_init__(self) -> None:
         if self.model_path is None and self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}: choose one of {sorted(PRESETS)}")
-        if self.task not in TASKS:
-            raise ValueError(f"task={self.task!r}: choose one of {TASKS}")
-        if self.fsdp_api not in ("fsdp2", "fsdp1", "ddp"):
-            raise ValueError(f"fsdp_api={self.fsdp_api!r}: choose fsdp2, fsdp1 or ddp")
-        if self.mixed_precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"mixed_precision={self.mixed_precision!r}: auto, bf16 or fp32")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {allowed}")
+        for name in ("model_path", "init_from"):
+            if getattr(self, name) is not None and not Path(getattr(self, name)).is_dir():
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: no such directory (a local Hugging Face "
+                    "model directory; nothing is downloaded)"
+                )
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction={self.heldout_fraction}: must be in (0, 1)")
         for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        for name in ("save_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:
+            raise ValueError("warmup_steps >= 0, weight_decay >= 0 and lr > 0 required")
+        if self.merge_lora and not self.lora:
+            raise ValueError("merge_lora=True needs lora=True")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps}: at least 1 (or None)")
         if self.physical_batch_size is not None and self.physical_batch_size < 1:
@@ -105,19 +150,75 @@ class TrainConfig:
             raise ValueError("noise_multiplier >= 0, max_grad_norm > 0 and epochs > 0 required")
 
 
+#: Files whose presence in ``out`` means it holds a run.
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """Refuses an ``out`` that holds a run, unless ``resume`` or ``overwrite``.
+
+    Raises:
+        ValueError: naming the directory and the two flags.
+    """
+    held = [name for name in RUN_FILES if (Path(cfg.out) / name).exists()]
+    if held and not (cfg.resume or cfg.overwrite):
+        raise ValueError(
+            f"out={cfg.out!r} holds a run ({', '.join(held)}): pass --resume to continue it or "
+            "--overwrite to replace it"
+        )
+
+
+def field_docs() -> dict[str, str]:
+    """Each :class:`TrainConfig` field's docstring (the string under it in the source)."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+            if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split()).replace("``", "")
+    return docs
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one line from rank 0 (every rank exits with status 2)."""
+
+    def error(self, message: str):  # noqa: D102
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Maps CLI flags one-to-one onto :class:`TrainConfig` fields."""
-    parser = argparse.ArgumentParser(
+    """Maps CLI flags one-to-one onto :class:`TrainConfig` fields.
+
+    A value that :class:`TrainConfig` refuses ends the process like a bad flag does: one line
+    (from rank 0), exit status 2.
+    """
+    parser = _Parser(
         prog="opacus-fsdp-sync-train",
         description="DP fine-tuning under FSDP2, FSDP1 or DDP.",
         epilog=PRIVACY_NOTE,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
+        doc = docs.get(f.name, "")
         if kind.startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc
+            )
             continue
         base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
-        parser.add_argument(flag, type=base, default=f.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+        parser.add_argument(
+            flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=doc
+        )
+    try:
+        cfg = TrainConfig(**vars(parser.parse_args(argv)))
+        check_out(cfg)
+        return cfg
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # unreachable: error() exits

@@ -9,6 +9,7 @@ manager are the package's and Opacus's own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -17,82 +18,73 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from opacus.accountants import RDPAccountant
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..distributed.env import init_distributed
-from ..models import LlamaSpec, build_llama
 from ..privacy_engine import PrivacyEngine
-from ..sharding import ShardingConfig, load_checkpoint, save_checkpoint, shard_model
-from .config import TrainConfig
-from .data import SYNTHETIC_VOCAB, file_dataset, split, synthetic_sequences
-from .privacy import NOT_PRIVATE, PRIVACY_NOTE, noise_for_target, plan_steps, privacy_unit
+from ..sharding import load_checkpoint, save_checkpoint
+from .config import TrainConfig, check_out
+from .data import IGNORE, SYNTHETIC_VOCAB, Examples, file_dataset, split, synthetic_sequences
+from .export import export
+from .model import base_path, build_model, load_tokenizer, shard
+from .optim import build_optimizer, build_scheduler
+from .privacy import (
+    NOT_PRIVATE,
+    PRIVACY_NOTE,
+    guarantee,
+    noise_for_target,
+    plan_steps,
+    privacy_unit,
+)
+from .run_state import load_run_state, save_run_state, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
-_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-
-def apply_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """LoRA adapters (peft) on every attention and MLP projection; the base weights frozen.
-
-    Raises:
-        ImportError: without peft (``pip install -e .[lora]``).
-    """
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:
-        raise ImportError("--lora needs peft: pip install -e '.[lora]'") from err
-    task = "CAUSAL_LM" if cfg.task == "causal_lm" else "SEQ_CLS"
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=_LORA_TARGETS,
-        task_type=task,
-    )
-    return get_peft_model(model, lora)
-
-
-def _tokenizer(cfg: TrainConfig):
-    if cfg.model_path is None:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model_path, local_files_only=True)
-
-
-def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset]:
+def _datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset, Examples]:
+    """``(train, held-out, all examples)``."""
     if cfg.data is None:
         if vocab <= SYNTHETIC_VOCAB:
             raise ValueError(f"the synthetic task needs a vocabulary above {SYNTHETIC_VOCAB}")
-        data = synthetic_sequences(cfg.num_examples, cfg.seq_length, cfg.seed)
+        data = synthetic_sequences(cfg.num_examples, cfg.seq_length, cfg.seed, cfg.task)
+        examples = Examples(data, cfg.num_examples, 0, "synthetic")
     else:
-        data = file_dataset(
+        examples = file_dataset(
             cfg.data,
             task=cfg.task,
             seq_length=cfg.seq_length,
             vocab=vocab,
-            tokenizer=_tokenizer(cfg),
+            tokenizer=load_tokenizer(cfg),
         )
-    return split(data, cfg.heldout_fraction, cfg.seed)
+    return (*split(examples.data, cfg.heldout_fraction, cfg.seed), examples)
 
 
 def _loss(cfg: TrainConfig, model, criterion, ids, labels, private: bool = True):
+    """The batch's loss; ``causal_lm``: next-token cross-entropy, ``IGNORE`` labels skipped.
+
+    Per example (the DP criterion, given ``shape``), the loss is the mean over the example's
+    trained tokens (Opacus divides each row's sum by its count of labels other than the
+    criterion's ``ignore_index``), so every example weighs the same before clipping.
+    """
     if cfg.task == "seq_cls":
         return criterion(model(input_ids=ids).logits, labels)
     logits = model(input_ids=ids).logits[:, :-1]
-    flat = (logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    flat = (logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
     return criterion(*flat, shape=logits.shape[:2]) if private else criterion(*flat)
 
 
 @torch.no_grad()
 def heldout_loss(cfg: TrainConfig, model, data: TensorDataset, device, batch: int = 32) -> float:
-    """Mean held-out loss; every rank evaluates the whole (small) set, in the same batches."""
+    """Mean held-out loss per trained token (per example for ``seq_cls``).
+
+    Every rank evaluates the whole (small) set, in the same batches.
+    """
     was = model.training
     model.eval()
-    plain = nn.CrossEntropyLoss(reduction="sum")
+    plain = nn.CrossEntropyLoss(reduction="sum", ignore_index=IGNORE)
     total, count = 0.0, 0
     ids_all, labels_all = data.tensors
     for i in range(0, len(ids_all), batch):
@@ -102,8 +94,9 @@ def heldout_loss(cfg: TrainConfig, model, data: TensorDataset, device, batch: in
             count += len(ids)
         else:
             logits = model(input_ids=ids).logits[:, :-1].float()
-            total += plain(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
-            count += ids[:, 1:].numel()
+            targets = labels[:, 1:]
+            total += plain(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+            count += int((targets != IGNORE).sum())
     model.train(was)
     return total / max(count, 1)
 
@@ -127,34 +120,6 @@ def _save(out: Path, step: int, model, optimizer, engine, rank: int) -> None:
         (out / "checkpoints" / "latest").write_text(name)
 
 
-def _build(cfg: TrainConfig, device: torch.device):
-    spec = LlamaSpec(preset=cfg.model, task=cfg.task, model_path=cfg.model_path)
-    torch.manual_seed(cfg.seed)
-    model = build_llama(spec)
-    model.train()  # from_pretrained returns it in eval mode, which Opacus refuses
-    if cfg.lora:
-        model = apply_lora(model, cfg)
-    return model
-
-
-def _shard(cfg: TrainConfig, model: nn.Module, device: torch.device, world: int) -> nn.Module:
-    """The model sharded (or replicated) across ranks; on one process, as it is."""
-    if world == 1:
-        return model.to(device)
-    precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if cfg.fsdp_api == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = model.to(device)
-        return DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
-        )
-    sharding = ShardingConfig.for_precision(precision, strategy=cfg.strategy, backend=cfg.fsdp_api)
-    return shard_model(model, sharding, device=device)
-
-
 def train(cfg: TrainConfig) -> dict:
     """Runs the whole fine-tuning; returns the summary (rank 0 also writes it to ``out``).
 
@@ -162,21 +127,41 @@ def train(cfg: TrainConfig) -> dict:
     """
     from tqdm import tqdm
 
+    check_out(cfg)
     rank, world, device = init_distributed()
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if cfg.overwrite and not cfg.resume:
+            for name in ("metrics.jsonl", "summary.json", "checkpoints/latest"):
+                (out / name).unlink(missing_ok=True)
         logger.info("[Ghost] privacy: %s This run's unit: %s.", PRIVACY_NOTE, privacy_unit(cfg))
     start_time = time.perf_counter()
-    model = _build(cfg, device)
-    train_set, heldout = _datasets(cfg, model.config.vocab_size)
+    model, base_config = build_model(cfg)
+    train_set, heldout, examples = _datasets(cfg, base_config.vocab_size)
+    if rank == 0:
+        logger.info(
+            "[Ghost] data: %d records (%s), one example and one privacy unit each; %d cut to "
+            "--seq-length %d; %d train, %d held out",
+            examples.records,
+            examples.kind,
+            examples.truncated,
+            cfg.seq_length,
+            len(train_set),
+            len(heldout),
+        )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    model = _shard(cfg, model, device, world)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_class = type(base_model).__name__  # before FSDP2 renames the class
+    model = shard(cfg, model, device, world)
+    optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
     engine = PrivacyEngine(timing=cfg.timing, dp_seed=cfg.dp_seed)
     data_loader = DataLoader(train_set, batch_size=cfg.batch_size)
     plan = plan_steps(steps_per_epoch=len(data_loader), epochs=cfg.epochs, max_steps=cfg.max_steps)
     total_steps = plan.total_steps
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
     noise = cfg.noise_multiplier
     if cfg.target_epsilon is not None:
         # Calibrated for the steps run: make_private_with_epsilon calibrates for
@@ -206,14 +191,38 @@ def train(cfg: TrainConfig) -> dict:
         poisson_sampling=cfg.poisson_sampling,
         grad_sample_mode="ghost_fsdp" if world > 1 and cfg.fsdp_api != "ddp" else "ghost",
     )
-    step = 0
+
+    def save(path: Path, steps: int) -> dict:
+        epsilon = engine.get_epsilon(cfg.delta) if opt.noise_multiplier > 0 else math.inf
+        record = guarantee(
+            cfg,
+            epsilon=epsilon,
+            accountant=engine.accountant.mechanism(),
+            noise=opt.noise_multiplier,
+            plan=plan,
+            steps=steps,
+        )
+        export(
+            path, gsm, cfg=cfg, base_config=base_config, privacy=record, device=device, rank=rank
+        )
+        return record
+
+    step, seen_before, wall_before = 0, 0, 0.0
     latest = _latest(out) if cfg.resume else None
     if cfg.resume and latest is None:
         logger.warning("[Ghost] --resume: no checkpoint in %s; starting afresh", out)
     if latest is not None:
         load_checkpoint(str(latest), gsm, opt, engine=engine)
         step = _steps_taken(engine)
-        logger.info("[Ghost] resumed from %s at step %d", latest, step)
+        saved = load_run_state(latest, scheduler=scheduler)
+        seen_before, wall_before = saved["examples_seen"], saved["wall_s"]
+        dropped = truncate_metrics(out / "metrics.jsonl", step) if rank == 0 else 0
+        logger.info(
+            "[Ghost] resumed from %s at step %d (%d metrics rows after it dropped)",
+            latest,
+            step,
+            dropped,
+        )
     if rank == 0:
         logger.info(
             "[Ghost] train: %d logical steps, expected batch %d over %d rank(s), noise %.4g, "
@@ -233,7 +242,8 @@ def train(cfg: TrainConfig) -> dict:
         if metrics is not None:
             metrics.write(json.dumps({"step": 0, "heldout_loss": first, "epsilon": 0.0}) + "\n")
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
-    seen = torch.zeros((), dtype=torch.long)
+    seen = torch.tensor(seen_before if rank == 0 else 0, dtype=torch.long)
+    bar_accountant = RDPAccountant()  # cheap enough for every step; the PRV epsilon is exact
     run_loss, run_count, tokens, step_start = 0.0, 0, 0, time.perf_counter()
     last_heldout = None
     while step < total_steps:
@@ -258,17 +268,33 @@ def train(cfg: TrainConfig) -> dict:
             if engine.optimizer_steps == before:
                 continue  # a physical batch inside the logical step
             step += 1
+            scheduler.step()
             step_ms = (time.perf_counter() - step_start) * 1e3
             row = {"step": step, "train_loss": run_loss / max(run_count, 1), "step_ms": step_ms}
             if step % cfg.eval_every == 0 or step == total_steps:
                 last_heldout = heldout_loss(cfg, gsm, heldout, device)
                 row["heldout_loss"] = last_heldout
                 row["epsilon"] = last_epsilon = engine.get_epsilon(cfg.delta)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                _save(out, step, gsm, opt, engine, rank)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                total_seen = seen.clone()
+                if dist.is_initialized():
+                    dist.all_reduce(total_seen)
+                _save(out, step, gsm, opt, engine, rank)
+                if rank == 0:
+                    save_run_state(
+                        _latest(out),
+                        scheduler=scheduler,
+                        examples_seen=int(total_seen),
+                        wall_s=wall_before + time.perf_counter() - start_time,
+                    )
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                save(out / f"model-step{step:06d}", step)
+            if rank == 0 and opt.noise_multiplier > 0:
+                bar_accountant.history = list(engine.accountant.history)
+                last_epsilon = bar_accountant.get_epsilon(cfg.delta)
             bar.set_postfix(
                 loss=f"{row['train_loss']:.3f}",
                 eps=f"{last_epsilon:.2f}",
@@ -284,7 +310,8 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
     if dist.is_initialized():
         dist.all_reduce(seen)
-    epsilon = engine.get_epsilon(cfg.delta) if opt.noise_multiplier > 0 else math.inf
+    record = save(out / "model", step)
+    epsilon = record["epsilon"]
     summary = {
         "epsilon": epsilon,
         "delta": cfg.delta,
@@ -292,11 +319,23 @@ def train(cfg: TrainConfig) -> dict:
         "steps": step,
         "examples_seen": int(seen.item()),
         "heldout_loss": last_heldout,
-        "wall_s": time.perf_counter() - start_time,
+        "wall_s": wall_before + time.perf_counter() - start_time,
         "world_size": world,
         "trainable": trainable,
         "privacy_unit": privacy_unit(cfg),
+        "records": examples.records,
+        "records_truncated": examples.truncated,
+        "record_kind": examples.kind,
         "not_private": list(NOT_PRIVATE),
+        "privacy": record,
+        "export": str(out / "model"),
+        "model": {
+            "class": model_class,
+            "source": base_path(cfg) or f"preset {cfg.model} (seed {cfg.seed})",
+            "parameters": n_params,
+            "trainable_parameters": n_trainable,
+        },
+        "config": dataclasses.asdict(cfg),
     }
     if rank == 0:
         metrics.close()

@@ -36,9 +36,9 @@ PRIVACY_NOTE = (
     "summary.json; the held-out split comes from the same private data) are computed without "
     "noise; examples_seen and the timings follow the realized Poisson batch sizes; checkpoints "
     "hold the sampler's seed and the noise generators' states. Keep all of them as private as "
-    "the data. Privacy unit: one example of the synthetic task; with --data, one record (line) for "
-    "--task seq_cls, one --seq-length chunk of the concatenated text for causal_lm (a record "
-    "spanning k chunks is protected as a group of k)."
+    "the data. Privacy unit: one example of the synthetic task; with --data, one record (a line "
+    "of .txt, a JSON line, a data set row), which is one example, never concatenated with "
+    "another."
 )
 
 
@@ -127,9 +127,39 @@ def privacy_unit(cfg: TrainConfig) -> str:
     """
     if cfg.data is None:
         return "one example (one sequence) of the built-in synthetic task"
-    if cfg.task == "seq_cls":
-        return f"one record (one line) of {cfg.data}"
     return (
-        f"one example: a chunk of {cfg.seq_length} consecutive tokens of {cfg.data}'s "
-        "concatenated records (a record spanning k chunks is protected as a group of k)"
+        f"one record of {cfg.data} (one example, cut or padded to {cfg.seq_length} tokens, "
+        "never concatenated with another record)"
     )
+
+
+def guarantee(
+    cfg: TrainConfig, *, epsilon: float, accountant: str, noise: float, plan: StepPlan, steps: int
+) -> dict:
+    """The privacy record of a run, for ``summary.json`` and each export's ``privacy.json``.
+
+    Args:
+        cfg: The run's configuration.
+        epsilon: The accountant's epsilon at ``cfg.delta`` after ``steps`` (inf without noise).
+        accountant: The accountant's mechanism (``"prv"``, ``"rdp"``, ``"gdp"``).
+        noise: The noise multiplier (sigma).
+        plan: The run's steps and sample rate.
+        steps: Logical steps taken (and counted by the accountant) so far.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    return {
+        "accountant": accountant,
+        "epsilon": epsilon,
+        "delta": cfg.delta,
+        "sample_rate": plan.sample_rate,
+        "steps": steps,
+        "noise_multiplier": noise,
+        "max_grad_norm": cfg.max_grad_norm,
+        "poisson_sampling": cfg.poisson_sampling,
+        "privacy_unit": privacy_unit(cfg),
+        "secure_mode": False,
+        "dp_seed_given": cfg.dp_seed is not None,
+        "not_private": NOT_PRIVATE,
+    }

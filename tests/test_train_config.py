@@ -1,0 +1,65 @@
+"""The trainer's configuration and schedule, in process (no spawn)."""
+
+import dataclasses
+
+import pytest
+
+from opacus_fsdp_sync.train.config import TrainConfig
+from opacus_fsdp_sync.train.optim import lr_factor
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero_at_the_last_step():
+    cosine = TrainConfig(lr_schedule="cosine", warmup_steps=2)
+    assert [lr_factor(cosine, 10, s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0]
+    assert lr_factor(cosine, 10, 6) == pytest.approx(0.5) and lr_factor(cosine, 10, 10) == 0.0
+    linear = TrainConfig(lr_schedule="linear")
+    assert [lr_factor(linear, 4, s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_factor(TrainConfig(), 4, 3) == 1.0
+    with pytest.raises(ValueError, match="lr_schedule='step'"):
+        TrainConfig(lr_schedule="step")
+    with pytest.raises(ValueError, match="optimizer='adam'"):
+        TrainConfig(optimizer="adam")
+
+
+def _refused(capsys, monkeypatch, argv, rank="0"):
+    from opacus_fsdp_sync.train.config import parse_args
+
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == (1 if rank == "0" else 0), err  # one line, from rank 0 only
+    return err
+
+
+def test_help_shows_each_fields_docstring_default_and_choices(capsys):
+    from opacus_fsdp_sync.train.config import field_docs, parse_args
+
+    docs = field_docs()
+    assert docs["warmup_steps"] == "Logical steps of linear warm-up from 0 to lr."
+    assert set(docs) == {f.name for f in dataclasses.fields(TrainConfig)}
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Logical steps of linear warm-up from 0 to lr. (default: 0)" in text
+    assert "--lr-schedule {constant,linear,cosine}" in text
+
+
+def test_flag_errors_are_one_line_from_rank_zero(tmp_path, capsys, monkeypatch):
+    err = _refused(capsys, monkeypatch, ["--model-path", str(tmp_path / "none")])
+    assert "model_path=" in err and "no such directory" in err
+    assert "invalid choice: 'sft'" in _refused(capsys, monkeypatch, ["--task", "sft"])
+    assert "merge_lora=True needs lora=True" in _refused(capsys, monkeypatch, ["--merge-lora"])
+    _refused(capsys, monkeypatch, ["--max-steps", "0"], rank="1")  # silent on other ranks
+
+
+def test_out_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys, monkeypatch):
+    from opacus_fsdp_sync.train.config import parse_args
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    err = _refused(capsys, monkeypatch, ["--out", str(tmp_path)])
+    assert "holds a run (metrics.jsonl)" in err and "--resume" in err and "--overwrite" in err
+    assert parse_args(["--out", str(tmp_path), "--resume"]).resume
+    assert parse_args(["--out", str(tmp_path), "--overwrite"]).overwrite
+    assert parse_args(["--out", str(tmp_path / "new")]).out == str(tmp_path / "new")
