@@ -94,7 +94,7 @@ def test_every_hooked_layer_type_has_a_complete_room(fast_norms):
     ids = torch.randint(1, V, (B, T))
     gsm, *_ = make_private(engine, model, (ids, ids), B, 1.0, "ghost")
     hooked = list(gsm.iterate_submodules(gsm._module))
-    found = {type(m).__name__: room_for(m, gsm._get_type(m)).name for m in hooked}
+    found = {type(m).__name__: room_for(m, gsm.layer_type(m)).name for m in hooked}
     assert found == {
         "Embedding": "embedding",
         "Linear": "linear",

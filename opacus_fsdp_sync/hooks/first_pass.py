@@ -36,6 +36,9 @@ class MissedHookError(RuntimeError):
 class PassTrackingMixin:
     """Records first-pass sources and which hooked layers reported, around Opacus's hooks."""
 
+    #: Set by the fast norms: which ``Linear`` layers take per-sample gradients (one backward).
+    per_sample_policy = None
+
     def _init_pass_tracking(self) -> None:
         self._sources: list[torch.Tensor] = []
         self._captured: dict[int, nn.Module] = {}
@@ -79,7 +82,7 @@ class PassTrackingMixin:
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Marks the layer as reported, keeps what one backward needs, runs Opacus's norms."""
         entry = None
-        policy = getattr(self, "per_sample_policy", None)
+        policy = self.per_sample_policy
         if policy is not None:
             policy.active = self.keep_for_grads  # only the one-backward step uses them
         if self.hooks_enabled:
@@ -107,7 +110,7 @@ class PassTrackingMixin:
         """The sources of the last forward (and forgets them); empty when nothing was captured."""
         sources, self._sources = self._sources, []
         self._reported = set()
-        policy = getattr(self, "per_sample_policy", None)
+        policy = self.per_sample_policy
         if policy is not None:
             policy.reset()
         return sources

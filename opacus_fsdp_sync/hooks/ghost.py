@@ -25,6 +25,7 @@ from torch import nn
 from .._torch_compat import in_backward
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
+from .contract import OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .replay import ReplayMixin
 from .step_norms import StepNormsMixin
@@ -80,10 +81,43 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
             self.gram_cache, per_sample_policy, tuner
         )
 
-    def take_first_pass_sources(self) -> list[torch.Tensor]:
+    # -- the step's contract (:class:`.contract.StepHooks`) -----------------------------------
+    def begin_step(self) -> list[torch.Tensor]:
         """Starts a backward: forgets the last norms and returns this pass's sources."""
         self.reset_norms()
-        return super().take_first_pass_sources()
+        return self.take_first_pass_sources()
+
+    def begin_first_pass(self, *, keep: bool) -> None:
+        """Whether the first pass keeps each layer's inputs and output gradient (one backward)."""
+        self.keep_for_grads = keep
+
+    def end_first_pass(self, *, completed: bool, restricted: bool) -> None:
+        """Drops the shared Grams, ends the tuner's pass (if ``completed``), stops keeping.
+
+        Raises:
+            Exception: what the tuner's end of pass raised (the rest is done all the same).
+        """
+        try:
+            if self.gram_cache is not None:
+                self.gram_cache.clear()  # every norm of this step is computed
+            if completed and self.norm_tuner is not None:
+                # On every rank at this point: the first call agrees on the plan (a collective).
+                self.norm_tuner.end_pass()
+        finally:
+            self.keep_for_grads = False
+            if not restricted:
+                self.forget_pass()
+
+    def layer_type(self, module: nn.Module) -> type:
+        """The layer type Opacus sees (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
+        return self._get_type(module)
+
+    def abort(self) -> None:
+        """Drops what a failed step left: Opacus's per-step state, then our records."""
+        try:
+            reset_opacus_step_state(self)
+        finally:
+            self.forget_pass()
 
     def forget_pass(self) -> None:
         """Drops what a failed step recorded, the shared Gram matrices included."""
@@ -171,3 +205,8 @@ _CLASSES = {
 def ghost_class(grad_sample_mode: str, wrap_model: bool) -> type:
     """Our Opacus class for a ghost mode and ``wrap_model`` setting."""
     return _CLASSES[(grad_sample_mode, wrap_model)]
+
+
+def step_hooks(module) -> StepHooks:
+    """The step's view of a model's hooks: ours, or Opacus's behind :class:`OpacusStepHooks`."""
+    return module if isinstance(module, _Ours) else OpacusStepHooks(module)
