@@ -89,7 +89,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         )
         out.direct_terms = (
             self.direct_terms
-            or getattr(other, "direct_terms", False)
+            or (isinstance(other, SyncDPTensor) and other.direct_terms)
             or (isinstance(other, torch.Tensor) and other.requires_grad)
         )
         return out
