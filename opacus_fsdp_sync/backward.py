@@ -20,6 +20,8 @@ from opacus.utils.fast_gradient_clipping_utils import (
 from .distributed.api import DPOptimizerOps, GradientHandoff, StepController
 from .distributed.single import NullController
 from .errors import attach_cleanup_error
+from .hooks.contract import StepHooks
+from .hooks.ghost import step_hooks
 from .optimizers.ops import OpacusOptimizerOps
 from .profiling.phases import phase
 from .profiling.timers import StepTimer
@@ -68,24 +70,6 @@ def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
     )
 
 
-def reset_opacus_step_state(hooks) -> None:
-    """Forgets the activations and forward counters a failed step left on Opacus's hooks.
-
-    Without this, a step whose first backward raised leaves ``_forward_counter`` at 1 and the
-    next forward fails with a misleading "Parameter tying is not supported" error.
-    """
-    for module in hooks.iterate_submodules(hooks._module):
-        if hasattr(module, "activations"):
-            module.activations = []
-        if hasattr(module, "_forward_counter"):
-            module._forward_counter = 0
-        if hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-        for p in module.parameters(recurse=False):
-            if hasattr(p, "_forward_counter"):
-                p._forward_counter = 0
-
-
 class SyncDPTensor(DPTensorFastGradientClipping):
     """A per-sample loss whose ``backward()`` skips gradient sync in the norm-only pass.
 
@@ -110,7 +94,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         )
         out.direct_terms = (
             self.direct_terms
-            or getattr(other, "direct_terms", False)
+            or (isinstance(other, SyncDPTensor) and other.direct_terms)
             or (isinstance(other, torch.Tensor) and other.requires_grad)
         )
         return out
@@ -154,16 +138,14 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             ValueError: for a loss reduction other than ``"mean"`` or ``"sum"``.
         """
         controller, timer = self.context.controller, self.context.timer
+        hooks = step_hooks(self.module)
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
         timer.flush()  # previous step's CUDA events, if any were left pending
         self.context.optimizer_ops.prefetch_noise()  # drawn while this backward runs
-        tracking = hasattr(self.module, "take_first_pass_sources")
-        sources = self.module.take_first_pass_sources() if tracking else []
+        sources = hooks.begin_step()
         restricted = self.context.restricted_first_pass and bool(sources)
         if controller.requires_restricted and not restricted:
-            reset_opacus_step_state(self.module)
-            if tracking:
-                self.module.forget_pass()
+            hooks.abort()
             raise RuntimeError(
                 f"opacus_fsdp_sync: this {controller.api} step found no first-pass source (no "
                 "hooked layer whose inputs need no gradient), and the sync-skipping step for this "
@@ -181,90 +163,83 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "loss + reg): one backward cannot see it, so the step takes two backward passes"
             )
         one = restricted and self.context.handoff is not None and not self.direct_terms
-        if one:
-            self.module.keep_for_grads = True
+        hooks.begin_first_pass(keep=one)
         first_error: BaseException | None = None
         try:
             with phase("first_backward"), timer.phase("first_backward"):
                 controller.begin_first_pass()
                 reduced_loss.backward(inputs=sources if restricted else None, retain_graph=not one)
                 if restricted:
-                    self.module.check_all_reported()
+                    hooks.check_all_reported()
         except BaseException as err:  # cleaned up below, then re-raised
             first_error = err
         del sources
-        if getattr(self.module, "gram_cache", None) is not None:
-            self.module.gram_cache.clear()  # every norm of this step is computed
-        tuner = getattr(self.module, "norm_tuner", None)
-        if tuner is not None and first_error is None:
-            try:  # on every rank at this point: the first call agrees on the plan (a collective)
-                tuner.end_pass()
-            except BaseException as err:
-                first_error = err
-        if one:
-            self.module.keep_for_grads = False
+        try:
+            hooks.end_first_pass(completed=first_error is None, restricted=restricted)
+        except BaseException as err:
+            first_error = _first(first_error, err)
         try:
             with phase("re-enable_sync"), timer.phase("re-enable_sync"):
                 controller.end_first_pass()
         except BaseException as err:
             first_error = _first(first_error, err)
-        if tracking and not restricted:
-            self.module.forget_pass()
         if first_error is not None:
             try:  # cleaned up while the error is being handled, as the controllers expect
                 raise first_error
             except BaseException:
-                self._clean_up_failed_step(first_error, tracking)
+                self._clean_up_failed_step(first_error, hooks)
                 raise
         try:
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
             # so a parameter this step did not use still gets its noise.
             self.optimizer.zero_grad(set_to_none=self.context.optimizer_ops.accepts_none_grads)
-            coeff = self.module.get_clipping_coef()
+            coeff = hooks.get_clipping_coef()
             if one:
                 # No hook may fire here: the generic path re-runs layers on their kept inputs.
-                self.module.disable_hooks()
+                hooks.disable_hooks()
                 try:
-                    self._deliver_clipped_gradients(coeff)
+                    self._deliver_clipped_gradients(coeff, hooks)
                 finally:
-                    self.module.enable_hooks()
+                    hooks.enable_hooks()
             else:
                 second = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
-                self.module.disable_hooks()
+                hooks.disable_hooks()
                 try:
                     with phase("second_backward"), timer.phase("second_backward"):
                         second.backward()
                 finally:
-                    self.module.enable_hooks()
+                    hooks.enable_hooks()
         except BaseException as err:
-            self._clean_up_failed_step(err, tracking)
+            self._clean_up_failed_step(err, hooks)
             raise
         self.context.last_step_one_backward = one
         timer.end_step()
 
-    def _clean_up_failed_step(self, error: BaseException, tracking: bool) -> None:
+    def _clean_up_failed_step(self, error: BaseException, hooks: StepHooks) -> None:
         """Drops everything a failed step left, every part even when an earlier part raises.
 
-        FSDP state (``controller.abort``), Opacus's per-step state, the first pass's sources and
-        every gradient. A cleanup part that raises is logged and attached to ``error`` (as a note,
-        and in ``error.cleanup_errors``): the user sees the step's own error, never a cleanup's.
+        FSDP state (``controller.abort``), what the hooks hold (``hooks.abort``: Opacus's
+        per-step state, the first pass's sources) and every gradient. A cleanup part that raises
+        is logged and attached to ``error`` (as a note, and in ``error.cleanup_errors``): the
+        user sees the step's own error, never a cleanup's.
         """
-        parts = [self.context.controller.abort, lambda: reset_opacus_step_state(self.module)]
-        if tracking:
-            parts.append(self.module.forget_pass)
-        parts.append(lambda: self.optimizer.original_optimizer.zero_grad(set_to_none=True))
+        parts = [
+            self.context.controller.abort,
+            hooks.abort,
+            lambda: self.optimizer.original_optimizer.zero_grad(set_to_none=True),
+        ]
         for part in parts:
             try:
                 part()
             except Exception as cleanup:  # noqa: BLE001 - reported with the step's own error
                 attach_cleanup_error(error, cleanup)
 
-    def _deliver_clipped_gradients(self, coeff: torch.Tensor) -> None:
+    def _deliver_clipped_gradients(self, coeff: torch.Tensor, hooks: StepHooks) -> None:
         from .one_backward import clipped_gradients
 
         timer = self.context.timer
-        kept = self.module.take_kept()
+        kept = hooks.take_kept()
         held = {
             id(t): t.numel() * t.element_size()
             for _, inputs, grad in kept
@@ -282,7 +257,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 len(kept) - psg,
             )
         self.context.kept_bytes = sum(held.values())
-        type_of = getattr(self.module, "_get_module_type", type)
+        type_of = hooks.layer_type
         handoff = self.context.handoff
 
         def compute(entries: list) -> dict:

@@ -16,20 +16,20 @@ from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 
 from .backward import GhostStepContext, SyncDPLoss
-from .block_gram import describe_block
 from .distributed.api import OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
 from .distributed.registry import Detected, detect_api
 from .empty_batch import EmptyBatchStandIn
-from .grad_sample import ghost_class
-from .norm_tuner import make_norm_tuner
+from .hooks import ghost_class
+from .layers.linear_grams import describe_block
+from .layers.tied import find_shared_parameters
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
-from .tied import find_shared_parameters
+from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
@@ -483,7 +483,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
     @staticmethod
     def _per_sample_policy(opts: GhostOptions, device: torch.device):
         """The per-sample gradient policy of the one-backward step, or None; logs it."""
-        from .one_backward.per_sample import PerSampleGradPolicy
+        from .layers.linear_policy import PerSampleGradPolicy
         from .options import default_budget
 
         if opts.per_sample_grads is False:

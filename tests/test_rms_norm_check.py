@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from opacus_fsdp_sync import PrivacyEngine, rms_norm
-from opacus_fsdp_sync.one_backward import weight_grads
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.layers import norms as rms_norm
+from opacus_fsdp_sync.layers import room_named
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import seq_sample_loss
 from tests.private import make_private
@@ -79,7 +80,8 @@ def _diff(a, b):
 def counted(monkeypatch):
     """Counts calls of the direct norm and of the direct one-backward gradient."""
     calls = {"norm": 0, "grad": 0}
-    norm, grad = rms_norm.rms_norm_sample, weight_grads._rms_norm
+    room = room_named("rms_norm")
+    norm, grad = room.norm, room.clipped_grad
 
     def counting_norm(*args):
         calls["norm"] += 1
@@ -90,8 +92,8 @@ def counted(monkeypatch):
         return grad(*args)
 
     monkeypatch.setattr(rms_norm, "_VERDICTS", {}, raising=False)  # each test checks afresh
-    monkeypatch.setattr(rms_norm, "rms_norm_sample", counting_norm)
-    monkeypatch.setattr(weight_grads, "_rms_norm", counting_grad)
+    monkeypatch.setattr(room, "norm", counting_norm)
+    monkeypatch.setattr(room, "clipped_grad", counting_grad)
     return calls
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from opacus_fsdp_sync.linear_norm import GramCache, make_linear_norm_sampler
+from opacus_fsdp_sync.layers.linear import GramCache, make_linear_norm_sampler
 from opacus_fsdp_sync.models.llama import PRESETS
 from opacus_fsdp_sync.profiling import StepTimer
 

@@ -7,8 +7,8 @@ import logging
 import torch
 from torch import nn
 
-from . import per_sample
-from . import weight_grads as wg
+from ..layers import room_for, room_named
+from ..layers.linear import clipped_sum
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +24,17 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         kept: ``(module, inputs, grad_out)`` per layer, as the first pass left them (``grad_out``
             the raw gradient of the reduced loss w.r.t. the layer's output, batch first), or
             ``(module, None, per-sample gradients by parameter name)`` for a layer that
-            materialised them (:mod:`.per_sample`: already per sample loss, so no rescaling).
+            materialised them (``Linear`` only, :mod:`..layers.linear`: already per sample loss,
+            so no rescaling).
         coef: Per-sample clipping coefficients ``(N,)``.
         loss_reduction: ``"mean"`` or ``"sum"``.
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
 
     Returns:
         ``{(id(module), name): (module, name, gradient)}``; the caller sums shared weights.
+
+    Each layer's gradient is its room's :meth:`~..layers.registry.LayerRoom.clipped_grad`
+    (:func:`..layers.room_for`).
 
     Raises:
         OneBackwardUnavailable: for a layer without a direct formula whose parameters are not
@@ -42,7 +46,7 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         if inputs is None:  # per-sample gradients materialised in the first pass
             first = next(iter(grad_out.values()))
             scale = coef.to(device=first.device, dtype=torch.float32)
-            for name, g in per_sample.clipped_sum(grad_out, scale).items():
+            for name, g in clipped_sum(grad_out, scale).items():
                 out[(id(module), name)] = (module, name, g)
             continue
         n = grad_out.shape[0]
@@ -53,17 +57,16 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         shape = (n,) + (1,) * (grad_out.dim() - 1)
         # One kernel: the product is formed in fp32 and rounded once to the gradient's dtype.
         scaled = torch.mul(grad_out, scales[key].view(shape), out=torch.empty_like(grad_out))
-        formula = wg.direct_formula(module, type_of(module))
-        if formula is not None:
-            grads = formula(module, inputs, scaled)
-        else:
-            params = dict(module.named_parameters(recurse=False))
-            if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):
-                raise OneBackwardUnavailable(
-                    f"{type(module).__name__} has no direct clipped-gradient formula and its "
-                    "parameters are sharded here"
-                )
-            grads = wg.generic(module, inputs, scaled, params)
+        room = room_for(module, type_of(module))
+        if not room.direct and any(
+            isinstance(p, torch.distributed.tensor.DTensor)
+            for p in module.parameters(recurse=False)
+        ):
+            raise OneBackwardUnavailable(
+                f"{type(module).__name__} has no direct clipped-gradient formula and its "
+                "parameters are sharded here"
+            )
+        grads = room.clipped_grad(module, inputs, scaled)
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:
@@ -73,11 +76,12 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
 
 def by_parameter(grads: dict) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
     """Sums the gradients of each parameter over its uses (tied weights): ``{id: (p, grad)}``."""
+    tied = room_named("tied")
     total: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     for module, name, g in grads.values():
         p = getattr(module, name)
         if id(p) in total:
-            total[id(p)] = (p, total[id(p)][1] + g)
+            total[id(p)] = (p, tied.clipped_grad([total[id(p)][1], g]))
         else:
             total[id(p)] = (p, g)
     return total
@@ -101,4 +105,4 @@ def unsupported_layers(hooked: list[nn.Module], type_of, *, generic_replay: bool
     """
     if generic_replay:
         return []
-    return sorted({type_of(m).__name__ for m in hooked if wg.direct_formula(m, type_of(m)) is None})
+    return sorted({type_of(m).__name__ for m in hooked if not room_for(m, type_of(m)).direct})

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..distributed.env import pick_device_and_backend
-from ..tied import find_shared_parameters
+from ..layers.tied import find_shared_parameters
 from .config import ShardingConfig
 from .fsdp1 import shard_fsdp1
 from .fsdp2 import build_mesh, shard_fsdp2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..tied import find_shared_parameters
+from ..layers.tied import find_shared_parameters
 from .config import ShardingConfig
 
 

@@ -1,7 +1,12 @@
-"""Exact ghost-clipping norms for weights shared by several layers (tied embeddings)."""
+"""Moved (this name is kept for old imports).
 
-from .detect import SharedParameter, UnsupportedTiedParameterError, find_shared_parameters
-from .grad_sample import TiedNormMixin, padding_aware_embedding_norm
+The tied-weight room lives in :mod:`opacus_fsdp_sync.layers.tied`, its hooks in
+:mod:`opacus_fsdp_sync.hooks.tied`.
+"""
+
+from ..hooks.tied import TiedNormMixin
+from ..layers.embedding import padding_aware_embedding_norm
+from ..layers.tied import SharedParameter, UnsupportedTiedParameterError, find_shared_parameters
 
 __all__ = [
     "SharedParameter",

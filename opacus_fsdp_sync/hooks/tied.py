@@ -2,9 +2,10 @@
 
 Upstream gets tied weights wrong: on one device ``ghost`` refuses them, and ``ghost_fsdp``
 computes ``sqrt(|G1|^2 + |G2|^2)``, dropping the cross term. Here, for every weight used by
-several layers, each use's own squared norm and every pair's cross term ``2 <G1, G2>``
-(:mod:`.cross_terms`) go into a per-sample accumulator that :meth:`get_norm_sample` adds to the
-norms of all other parameters. Without shared weights the mixin defers to upstream.
+several layers, each use's own squared norm and every pair's cross term ``2 <G1, G2>`` (the tied
+room, :mod:`opacus_fsdp_sync.layers.tied`) go into a per-sample accumulator that
+:meth:`get_norm_sample` adds to the norms of all other parameters. Without shared weights the
+mixin defers to upstream.
 """
 
 from __future__ import annotations
@@ -12,61 +13,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
-    GradSampleHooksFastGradientClipping,
-)
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleHooksFastGradientClippingFSDP,
 )
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
-from . import cross_terms as ct
-from .detect import SharedParameter, check_supported, find_shared_parameters
-
-
-class _Use:
-    """What one layer's use of a shared weight leaves for the pairs formed later in backward."""
-
-    def __init__(self, module: nn.Module, inputs: torch.Tensor, grads: torch.Tensor | None):
-        self.module = module
-        self.inputs = inputs  # Linear: activations a; Embedding: token ids x
-        self.grads = grads  # Linear: output gradient b (None once reduced); Embedding: e
-        self.partials: dict[nn.Module, torch.Tensor] = {}  # Embedding owner -> linear_partial
-
-
-def _pad(module: nn.Module) -> int | None:
-    return getattr(module, "padding_idx", None)
-
-
-def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) -> dict:
-    """Opacus's embedding norm sampler, without the positions holding ``padding_idx``.
-
-    Autograd gives the ``padding_idx`` row no gradient; upstream's sampler ignores that and
-    over-estimates the norm of any sample containing the padding token. Index tensors are made
-    contiguous first (upstream calls ``.view()`` on them and fails on a sliced input).
-    """
-    activations = [activations[0].contiguous(), *activations[1:]]
-    if layer.padding_idx is not None:
-        keep = (activations[0] != layer.padding_idx).unsqueeze(-1).to(backprops.dtype)
-        backprops = backprops * keep
-    return _UPSTREAM_EMBEDDING_NORM(layer, activations, backprops)
-
-
-_UPSTREAM_EMBEDDING_NORM = GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Embedding]
+from ..layers import tied as ct
+from ..layers.registry import room_named
+from ..layers.tied import SharedParameter, check_supported, find_shared_parameters, pad
 
 
 class TiedNormMixin:
-    """Adds exact shared-weight norms to an Opacus ghost-clipping hooks class.
-
-    Also replaces the embedding norm sampler by :func:`padding_aware_embedding_norm` (for this
-    class only; upstream's registry is left untouched).
-    """
-
-    NORM_SAMPLERS = {
-        **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
-        nn.Embedding: padding_aware_embedding_norm,
-    }
+    """Adds exact shared-weight norms to an Opacus ghost-clipping hooks class."""
 
     def _init_tied(self) -> None:
         self._tied = find_shared_parameters(self._module)
@@ -81,11 +40,14 @@ class TiedNormMixin:
         self._tied_sq: torch.Tensor | None = None
         #: A StepTimer (set by the engine) that times the shared-weight work as ``tied_norm``.
         self.tied_timer = None
-        self._tied_fired: dict[int, list[_Use]] = {}
+        self._tied_room = room_named("tied")
+        self._tied_fired: dict[int, list] = {}
 
     def _get_type(self, module: nn.Module) -> type:
-        getter = getattr(self, "_get_module_type", None)
-        return getter(module) if getter is not None else type(module)
+        """The layer type Opacus sees (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
+        if isinstance(self, GradSampleHooksFastGradientClippingFSDP):
+            return self._get_module_type(module)
+        return type(module)
 
     # -- hooks ---------------------------------------------------------------------------------
     def capture_activations_hook(self, module, forward_input, _forward_output):
@@ -166,9 +128,9 @@ class TiedNormMixin:
             self._tied_sq = torch.zeros(own_norm.shape[0], device=own_norm.device)
         self._tied_sq += own_norm.float() ** 2
         fired = self._tied_fired.setdefault(id(s.param), [])
-        use = _Use(module, inputs.detach(), grads.detach())
+        use = self._tied_room.Use(module, inputs.detach(), grads.detach())
         for earlier in fired:
-            self._tied_sq += 2.0 * self._cross(earlier, use)
+            self._tied_sq += 2.0 * self._tied_room.norm(earlier, use)
         fired.append(use)
         if len(fired) == len(s.owners):
             del self._tied_fired[id(s.param)]
@@ -184,28 +146,9 @@ class TiedNormMixin:
             ]
             for emb in waiting:
                 ids = emb.activations[-1][0]
-                use.partials[emb] = ct.linear_partial(inputs, grads, ids, _pad(emb))
+                use.partials[emb] = ct.linear_partial(inputs, grads, ids, pad(emb))
             if len(waiting) == len(s.owners) - len(fired):
                 use.grads = None
-
-    def _cross(self, first: _Use, second: _Use) -> torch.Tensor:
-        m1, m2 = first.module, second.module
-        lin1, lin2 = isinstance(m1, nn.Linear), isinstance(m2, nn.Linear)
-        if lin1 and lin2:
-            return ct.linear_linear(first.inputs, first.grads, second.inputs, second.grads)
-        if lin1:
-            if m2 in first.partials:
-                return ct.partial_embedding(first.partials[m2], second.grads)
-            return ct.linear_embedding(
-                first.inputs, first.grads, second.inputs, second.grads, _pad(m2)
-            )
-        if lin2:
-            return ct.linear_embedding(
-                second.inputs, second.grads, first.inputs, first.grads, _pad(m1)
-            )
-        return ct.embedding_embedding(
-            first.inputs, first.grads, _pad(m1), second.inputs, second.grads, _pad(m2)
-        )
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample norms of the whole gradient, shared weights' cross terms included.

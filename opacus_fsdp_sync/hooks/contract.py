@@ -1,0 +1,141 @@
+"""What the ghost-clipping step may call on the hooks: one named contract.
+
+The step (:mod:`opacus_fsdp_sync.backward`) runs a private backward as: begin the step (take the
+first pass's sources), say whether the first pass keeps what one backward needs, run the first
+pass and check every hooked layer reported, end the first pass, take the coefficients, then take
+what was kept (one backward) or run the second pass with the hooks disabled; a failed step aborts.
+:class:`StepHooks` names every call; our hooks classes (:mod:`.ghost`) implement it, and a model
+that Opacus's own classes wrapped before ``make_private`` is driven through
+:class:`OpacusStepHooks`, which does nothing where ours keep book.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+)
+from torch import nn
+
+#: What one backward keeps per layer: ``(layer, inputs, output gradient)``, or
+#: ``(layer, None, per-sample gradients by parameter name)``.
+Kept = list[tuple[nn.Module, object, object]]
+
+
+class StepHooks(Protocol):
+    """The calls the step makes on the hooks, in the order it makes them."""
+
+    def begin_step(self) -> list[torch.Tensor]:
+        """Forgets the last step's norms; returns this step's first-pass sources (may be empty)."""
+        ...
+
+    def begin_first_pass(self, *, keep: bool) -> None:
+        """Whether the first pass keeps each layer's inputs and output gradient (one backward)."""
+        ...
+
+    def check_all_reported(self) -> None:
+        """After a restricted first pass: raises unless every captured layer reported."""
+        ...
+
+    def end_first_pass(self, *, completed: bool, restricted: bool) -> None:
+        """The first pass is over (``completed``: without error); stops keeping.
+
+        Drops what only the first pass needed; when ``completed``, ends the pass of the norm
+        tuner (a collective on the first call in a distributed run: every rank calls this at the
+        same point); after an unrestricted pass, forgets the pass's records.
+        """
+        ...
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """The per-sample clipping coefficients of the norms the first pass computed."""
+        ...
+
+    def take_kept(self) -> Kept:
+        """What the first pass kept (and forgets it)."""
+        ...
+
+    def layer_type(self, module: nn.Module) -> type:
+        """The layer type Opacus sees for ``module`` (FSDP2's ``FSDP<Class>`` mapped back)."""
+        ...
+
+    def disable_hooks(self) -> None:
+        """No hook fires until :meth:`enable_hooks` (the second pass, the gradient phase)."""
+        ...
+
+    def enable_hooks(self) -> None:
+        """Hooks fire again."""
+        ...
+
+    def abort(self) -> None:
+        """Drops everything a failed step left on the hooks and the hooked layers."""
+        ...
+
+
+def reset_opacus_step_state(hooks) -> None:
+    """Forgets the activations and forward counters a failed step left on Opacus's hooks.
+
+    Without this, a step whose first backward raised leaves ``_forward_counter`` at 1 and the
+    next forward fails with a misleading "Parameter tying is not supported" error.
+    """
+    for module in hooks.iterate_submodules(hooks._module):
+        if hasattr(module, "activations"):
+            module.activations = []
+        if hasattr(module, "_forward_counter"):
+            module._forward_counter = 0
+        if hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+        for p in module.parameters(recurse=False):
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+
+
+class OpacusStepHooks:
+    """:class:`StepHooks` over an Opacus hooks object that is not ours (wrapped by the user).
+
+    It records no sources (the step then runs an unrestricted first pass and two passes), keeps
+    nothing and checks nothing; coefficients and hook switches are Opacus's own.
+    """
+
+    def __init__(self, hooks) -> None:
+        self.hooks = hooks
+
+    def begin_step(self) -> list[torch.Tensor]:
+        """No sources: Opacus's classes do not record them."""
+        return []
+
+    def begin_first_pass(self, *, keep: bool) -> None:
+        """Nothing to keep (``keep`` is False without sources)."""
+
+    def check_all_reported(self) -> None:
+        """Nothing recorded to check."""
+
+    def end_first_pass(self, *, completed: bool, restricted: bool) -> None:
+        """Nothing to drop."""
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Opacus's coefficients."""
+        return self.hooks.get_clipping_coef()
+
+    def take_kept(self) -> Kept:
+        """Nothing kept."""
+        return []
+
+    def layer_type(self, module: nn.Module) -> type:
+        """As Opacus's FSDP class maps it, else the module's own type."""
+        if isinstance(self.hooks, GradSampleHooksFastGradientClippingFSDP):
+            return self.hooks._get_module_type(module)
+        return type(module)
+
+    def disable_hooks(self) -> None:
+        """Opacus's switch."""
+        self.hooks.disable_hooks()
+
+    def enable_hooks(self) -> None:
+        """Opacus's switch."""
+        self.hooks.enable_hooks()
+
+    def abort(self) -> None:
+        """Opacus's per-step state on the hooked layers."""
+        reset_opacus_step_state(self.hooks)

@@ -1,0 +1,212 @@
+"""Our Opacus ghost-clipping classes: upstream's plus exact norms and first-pass book-keeping.
+
+The engine uses them for every ``ghost`` / ``ghost_fsdp`` model it prepares. Each layer type's
+norm comes from its room (:mod:`opacus_fsdp_sync.layers`: padding-aware embedding norms, a direct
+RMSNorm norm where autograd agrees with it, Gram-matrix ``Linear`` norms with ``fast_norms``);
+around Opacus's hooks: shared-weight cross terms (:mod:`.tied`), activations-only first-pass
+sources and the missed-hook check (:mod:`.first_pass`), norms that belong to one backward, a
+layer that did not run counting as zero (:mod:`.step_norms`), recorded calls for exact replays of
+the layers no room claims (:mod:`.replay`).
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleFastGradientClippingFSDP,
+)
+from torch import nn
+
+from .._torch_compat import in_backward
+from ..layers import norm_samplers
+from ..layers.linear import GramCache, LinearRoom
+from .contract import OpacusStepHooks, StepHooks, reset_opacus_step_state
+from .first_pass import PassTrackingMixin
+from .replay import ReplayMixin
+from .step_norms import StepNormsMixin
+from .tied import TiedNormMixin
+
+
+class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
+    """Mixins first (they wrap Opacus's hooks), then the upstream class."""
+
+    #: The layers Opacus hooked, found at wrap time (None while Opacus's ``__init__`` runs).
+    _hooked: list[nn.Module] | None = None
+    _trainable: frozenset[int] = frozenset()
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        # Instance-level sampler table: upstream's (with any registered by the user), then each
+        # room's norm for its layer types (:func:`..layers.norm_samplers`).
+        self.NORM_SAMPLERS = {
+            **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
+            **norm_samplers(m),
+        }
+        self._init_tied()
+        self._init_pass_tracking()
+        # FSDP1 unregisters parameters during forward and backward, when Opacus looks for the
+        # layers that own trainable parameters: remember them as they are now.
+        self._hooked = list(super().iterate_submodules(self._module))
+        self._trainable = frozenset(id(m) for m in self._hooked)
+        self._init_step_norms(self._hooked)
+        fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+        self._init_replay([] if fsdp else self._hooked, self._get_type)
+        #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
+        self.gram_cache: GramCache | None = None
+        #: Set by :meth:`use_fast_norms`: per-sample gradients of sequence Linear layers.
+        self.per_sample_policy = None
+        #: Set by :meth:`use_fast_norms`: the measured norm plan (``tune_norms``), or None.
+        self.norm_tuner = None
+
+    def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0, tuner=None) -> None:
+        """Linear norms from shared input Gram matrices (see :mod:`..layers.linear`).
+
+        Args:
+            per_sample_policy: A :class:`~..layers.linear_policy.PerSampleGradPolicy` (one
+                backward only): the sequence layers it takes materialise per-sample gradients.
+            gram_block: Tokens per row block of the symmetric Grams (:mod:`..layers.linear_grams`),
+                or ``"auto"`` (by the input's device); 0 computes full Grams.
+            tuner: A :class:`~..tuning.NormTuner`: Gram blocks and per-sample gradients
+                chosen by measurement instead of the static rules.
+        """
+        self.gram_cache = GramCache(gram_block)
+        self.per_sample_policy = per_sample_policy
+        self.norm_tuner = tuner
+        self.NORM_SAMPLERS[nn.Linear] = LinearRoom.fast_norm(
+            self.gram_cache, per_sample_policy, tuner
+        )
+
+    # -- the step's contract (:class:`.contract.StepHooks`) -----------------------------------
+    def begin_step(self) -> list[torch.Tensor]:
+        """Starts a backward: forgets the last norms and returns this pass's sources."""
+        self.reset_norms()
+        return self.take_first_pass_sources()
+
+    def begin_first_pass(self, *, keep: bool) -> None:
+        """Whether the first pass keeps each layer's inputs and output gradient (one backward)."""
+        self.keep_for_grads = keep
+
+    def end_first_pass(self, *, completed: bool, restricted: bool) -> None:
+        """Drops the shared Grams, ends the tuner's pass (if ``completed``), stops keeping.
+
+        Raises:
+            Exception: what the tuner's end of pass raised (the rest is done all the same).
+        """
+        try:
+            if self.gram_cache is not None:
+                self.gram_cache.clear()  # every norm of this step is computed
+            if completed and self.norm_tuner is not None:
+                # On every rank at this point: the first call agrees on the plan (a collective).
+                self.norm_tuner.end_pass()
+        finally:
+            self.keep_for_grads = False
+            if not restricted:
+                self.forget_pass()
+
+    def layer_type(self, module: nn.Module) -> type:
+        """The layer type Opacus sees (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
+        return self._get_type(module)
+
+    def abort(self) -> None:
+        """Drops what a failed step left: Opacus's per-step state, then our records."""
+        try:
+            reset_opacus_step_state(self)
+        finally:
+            self.forget_pass()
+
+    def forget_pass(self) -> None:
+        """Drops what a failed step recorded, the shared Gram matrices included."""
+        super().forget_pass()
+        if self.gram_cache is not None:
+            self.gram_cache.clear()
+        if self.per_sample_policy is not None:
+            self.per_sample_policy.reset()
+
+    def iterate_submodules(self, module: nn.Module):
+        """The layers Opacus hooked, as found at wrap time (see ``__init__``)."""
+        if self._hooked is not None and module is self._module:
+            return iter(self._hooked)
+        return super().iterate_submodules(module)
+
+    def _is_trainable(self, module: nn.Module) -> bool:
+        params = list(module.parameters(recurse=False))
+        if params:
+            return any(p.requires_grad for p in params)
+        return id(module) in self._trainable
+
+    def capture_activations_hook(self, module, forward_input, forward_output):
+        """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters."""
+        if (
+            self.gram_cache is not None
+            and self.hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and forward_input
+            and isinstance(forward_input[0], torch.Tensor)
+            and issubclass(self._get_type(module), nn.Linear)
+            and getattr(getattr(module, "weight", None), "requires_grad", False)
+            and not in_backward()
+        ):
+            self.gram_cache.note_input(forward_input[0])
+        if not isinstance(self, GradSampleHooksFastGradientClippingFSDP) or any(
+            True for _ in module.parameters(recurse=False)
+        ):
+            return super().capture_activations_hook(module, forward_input, forward_output)
+        # FSDP1 inside forward: parameters unregistered; Opacus's FSDP capture, with our check.
+        if in_backward() or not (
+            self._is_trainable(module)
+            and module.training
+            and torch.is_grad_enabled()
+            and self.hooks_enabled
+        ):
+            return None
+        self._record_pass_inputs(module, forward_input, forward_output)
+        if not hasattr(module, "activations"):
+            module.activations = []
+        module.activations.append([t.detach() for t in forward_input])
+        module._forward_counter = getattr(module, "_forward_counter", 0) + 1
+        if module._forward_counter > 1:
+            raise NotImplementedError(
+                f"{type(module).__name__} was called more than once in one forward; ghost "
+                "clipping needs one call per layer per forward."
+            )
+        return None
+
+
+class GhostGradSampleModule(_Ours, GradSampleModuleFastGradientClipping):
+    """``grad_sample_mode="ghost"`` (one device, DDP)."""
+
+
+class GhostGradSampleHooks(_Ours, GradSampleHooksFastGradientClipping):
+    """``ghost`` with ``wrap_model=False``."""
+
+
+class GhostFSDPGradSampleModule(_Ours, GradSampleModuleFastGradientClippingFSDP):
+    """``grad_sample_mode="ghost_fsdp"`` (FSDP2)."""
+
+
+class GhostFSDPGradSampleHooks(_Ours, GradSampleHooksFastGradientClippingFSDP):
+    """``ghost_fsdp`` with ``wrap_model=False``."""
+
+
+_CLASSES = {
+    ("ghost", True): GhostGradSampleModule,
+    ("ghost", False): GhostGradSampleHooks,
+    ("ghost_fsdp", True): GhostFSDPGradSampleModule,
+    ("ghost_fsdp", False): GhostFSDPGradSampleHooks,
+}
+
+
+def ghost_class(grad_sample_mode: str, wrap_model: bool) -> type:
+    """Our Opacus class for a ghost mode and ``wrap_model`` setting."""
+    return _CLASSES[(grad_sample_mode, wrap_model)]
+
+
+def step_hooks(module) -> StepHooks:
+    """The step's view of a model's hooks: ours, or Opacus's behind :class:`OpacusStepHooks`."""
+    return module if isinstance(module, _Ours) else OpacusStepHooks(module)

@@ -1,0 +1,96 @@
+"""Per-sample norms that belong to one backward: reset each step, unused layers count as zero.
+
+Upstream Opacus keeps each hooked layer's per-sample norms on the parameter (``_norm_sample``,
+one device) or on the layer (``norm_sample``, FSDP) and overwrites them when the layer's backward
+hook fires. A layer the forward skipped in a step (a flag, a data-dependent branch) keeps the
+norms of an earlier step: its stale norms then over-clip every sample, and the step crashes when
+the layer had never run (no norms at all) or when the batch size changed (norms of another size).
+
+A layer that did not run has a zero per-sample gradient in that step. Here every layer's norms
+are cleared at the start of each backward, and :meth:`StepNormsMixin.get_norm_sample` takes the
+norms reported in that backward only, an unreported layer counting as zero. Where Opacus's own
+optimizer reads every ``p.grad`` (one device), the parameters of a layer that did not run get a
+zero gradient (their clipped gradient) instead of none, as a clip-each-sample loop computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+)
+from torch import nn
+
+
+class NoNormsError(RuntimeError):
+    """No hooked layer reported a per-sample norm in the last backward."""
+
+
+class StepNormsMixin:
+    """Per-sample norms of the current backward only (see the module docstring).
+
+    Sits below the shared-weight mixin (whose ``get_norm_sample`` adds its cross terms to this
+    one's result) and above Opacus's hooks class, whose ``get_norm_sample`` it replaces.
+    """
+
+    def _init_step_norms(self, hooked: list[nn.Module]) -> None:
+        self._norms_per_module = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+        # FSDP1 unregisters parameters during forward and backward: count them now.
+        self._n_trainable = {
+            id(m): sum(1 for p in m.parameters(recurse=False) if p.requires_grad) for m in hooked
+        }
+        self._step_layers = list(hooked)
+        self.reset_norms()
+
+    def reset_norms(self) -> None:
+        """Forgets every layer's per-sample norms (the start of a backward)."""
+        if self._norms_per_module:
+            for m in self._step_layers:
+                m.norm_sample = [None] * self._n_trainable[id(m)]
+        else:
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+
+    def _reported_norms(self) -> list[torch.Tensor]:
+        if self._norms_per_module:
+            return [
+                ns
+                for m in self.iterate_submodules(self._module)
+                for ns in getattr(m, "norm_sample", ())
+                if ns is not None
+            ]
+        norms = (getattr(p, "_norm_sample", None) for p in self.trainable_parameters)
+        return [ns for ns in norms if ns is not None]
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Per-sample norms of the last backward; a layer that did not report counts as zero.
+
+        Raises:
+            NoNormsError: when no hooked layer reported (the batch size is unknown).
+        """
+        norms = self._reported_norms()
+        if not norms:
+            raise NoNormsError(
+                "opacus_fsdp_sync: no hooked layer reported a per-sample norm in this backward "
+                "(did the forward run any trainable layer in training mode?)"
+            )
+        device = norms[0].device
+        norm = torch.stack([ns.to(device) for ns in norms], dim=0).norm(2, dim=0)
+        self.per_sample_gradient_norms = norm
+        return norm
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Opacus's coefficients; then zero gradients for the layers that did not run (one device).
+
+        Called once per step between the norm pass and the clipped gradients (by our backward and
+        by upstream's). Opacus's one-device optimizers read ``p.grad`` of every parameter, and a
+        layer that did not run has a zero clipped gradient: its parameters get a zero ``p.grad``
+        where they have none, and the clipped gradients add to it. Under FSDP the optimizers read
+        a missing gradient as zeros, so nothing is set.
+        """
+        coef = super().get_clipping_coef()
+        if not self._norms_per_module:
+            for p in self.trainable_parameters:
+                if p._norm_sample is None and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return coef

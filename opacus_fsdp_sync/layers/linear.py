@@ -1,0 +1,335 @@
+"""The ``Linear`` room: ghost norms from Gram matrices, per-sample and clipped gradients.
+
+All three come from the layer input ``A`` and output gradient ``G`` (``N x T x d`` each):
+the norm from ``<A_n A_n^T, G_n G_n^T>`` (:mod:`.linear_grams`), the per-sample gradient
+``G_n^T A_n`` (:func:`linear_per_sample_grads`, taken where :mod:`.linear_policy` or the tuner
+says it is cheaper), the clipped gradient ``sum_n c_n G_n^T A_n`` as one matmul of ``c_n G_n``
+and ``A`` (:meth:`LinearRoom.clipped_grad`). The strategies the tuner
+(:mod:`opacus_fsdp_sync.tuning`) times are offered here (:meth:`LinearRoom.strategies`).
+
+Ghost norms with Gram matrices shared between layers that read one input:
+
+For a sequence input, sample n's weight-gradient norm is ``sqrt(<A_n A_n^T, G_n G_n^T>)``
+(``A_n`` the layer input, ``G_n`` its output gradient, both ``T x d``). Upstream Opacus computes
+both Gram matrices for every layer and contracts them with an ``einsum`` that becomes a batched
+matrix-vector product (a cuBLAS gemv over ``T^2`` elements, about 0.5 ms a layer on an H100 at
+T = 1024). Here:
+
+- the input Gram ``A_n A_n^T`` is computed once per backward for all layers that read the same
+  tensor (``q``/``k``/``v`` and ``gate``/``up`` in a Llama block): the forward hook counts the
+  readers, the backward releases the Gram after the last one;
+- the contraction is an elementwise product and a sum accumulated in fp32 (fp64 for fp64);
+- with ``gram_block`` (see :mod:`.linear_grams`), only the upper block triangle of each symmetric
+  Gram is computed, up to about half the Gram FLOPs saved.
+
+The result equals upstream's to floating-point rounding (not bit for bit: the summation order
+differs); ``fast_norms=False`` in :class:`~opacus_fsdp_sync.options.GhostOptions` keeps upstream's
+(Opacus's ``compute_linear_norm_sample``, the room's :meth:`~LinearRoom.norm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+)
+from torch import nn
+
+from .linear_grams import contract_output_grams, resolve_block, upper_gram, widen
+from .registry import LayerRoom, register_layer
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Not DTensors (whose Grams stay full, see :meth:`GramCache.block_for`)."""
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's memory (the readers keep it alive, so no other tensor can reuse it)."""
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+class GramCache:
+    """Input Gram matrices of the current backward, each dropped after its last reader.
+
+    Args:
+        block: Tokens per row block of the Grams (:func:`.linear_grams.upper_gram`): a number
+            (0: full Grams) or ``"auto"`` (by the input's device,
+            :func:`.linear_grams.resolve_block`).
+    """
+
+    def __init__(self, block: int | str = 0) -> None:
+        self.block = block
+        self._readers: dict[tuple, int] = {}
+        self._total: dict[tuple, int] = {}
+        self._grams: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
+
+    def note_input(self, activation: torch.Tensor) -> None:
+        """Forward hook side: one more ``Linear`` reads ``activation``."""
+        if activation.dim() == 3 and type(activation) is torch.Tensor:  # not a DTensor
+            k = _key(activation)
+            self._readers[k] = self._readers.get(k, 0) + 1
+            self._total[k] = self._total.get(k, 0) + 1
+
+    def readers(self, activation: torch.Tensor) -> int:
+        """How many ``Linear`` layers read ``activation`` in this backward (at least 1)."""
+        if type(activation) is not torch.Tensor:
+            return 1
+        return max(1, self._total.get(_key(activation), 0))
+
+    def block_for(self, *tensors: torch.Tensor) -> int:
+        """The row block for Grams of ``tensors``: 0 (full) if any is not a plain tensor."""
+        if not all(type(t) is torch.Tensor for t in tensors):
+            return 0
+        return resolve_block(self.block, tensors[0].device)
+
+    def gram(self, activation: torch.Tensor, block: int) -> list[torch.Tensor]:
+        """Row blocks of ``A A^T`` per sample (:func:`.linear_grams.upper_gram`).
+
+        Computed once while more readers (asking for the same ``block``) are to come.
+        """
+        if type(activation) is not torch.Tensor:  # a DTensor: not cached
+            return upper_gram(activation, block)
+        k = _key(activation)
+        left = self._readers.get(k, 0)
+        g = self._grams.pop(k, None)
+        if g is None or g[0] != block:
+            g = (block, upper_gram(activation, block))
+        if left > 1:
+            self._readers[k] = left - 1
+            self._grams[k] = g
+        else:
+            self._readers.pop(k, None)
+        return g[1]
+
+    def skip(self, activation: torch.Tensor) -> None:
+        """A reader that will not ask for the Gram (it took per-sample gradients instead)."""
+        if type(activation) is not torch.Tensor:
+            return
+        k = _key(activation)
+        left = self._readers.get(k, 0)
+        if left > 1:
+            self._readers[k] = left - 1
+        else:
+            self._readers.pop(k, None)
+            self._grams.pop(k, None)
+
+    def clear(self) -> None:
+        """Forgets every count and Gram (end of a backward, or a failed step)."""
+        self._readers.clear()
+        self._total.clear()
+        self._grams.clear()
+
+
+def make_linear_norm_sampler(cache: GramCache, policy=None, tuner=None):
+    """A norm sampler for ``nn.Linear`` (Opacus's signature) that uses ``cache``.
+
+    With a :class:`~opacus_fsdp_sync.layers.linear_policy.PerSampleGradPolicy`, a sequence
+    layer the policy takes gets its norms from materialised per-sample gradients, which are left
+    in ``policy.stash`` for the one-backward gradient phase.
+
+    With a :class:`~opacus_fsdp_sync.tuning.NormTuner`, a sequence layer with plain-tensor
+    inputs takes the tuned Gram block and the tuned per-sample decision (in place of
+    ``gram_block="auto"`` and the cost rule); the policy's byte budget still applies.
+    """
+
+    def linear_norm_sample(
+        layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
+    ) -> dict:
+        a = activations[0]
+        out = {}
+        choice = None
+        if tuner is not None and a.dim() == 3 and _plain(a, backprops):
+            choice = tuner.choose(
+                layer,
+                a,
+                backprops,
+                readers=cache.readers(a),
+                per_sample=policy is not None and policy.may_take(a, backprops),
+                group=id(a),
+            )
+        cheaper = None if choice is None else choice.per_sample
+        if policy is not None and a.dim() == 3 and policy.take(layer, a, backprops, cheaper):
+            if layer.weight.requires_grad:
+                cache.skip(a)
+            psgs = linear_per_sample_grads(layer, a, backprops)
+            policy.stash[id(layer)] = psgs
+            return {getattr(layer, n): norm for n, norm in per_sample_norms(psgs).items()}
+        if a.dim() != 3:  # one token per sample (or flattened): the rank-one formula
+            a2 = a.reshape(a.shape[0], math.prod(a.shape[1:-1]), a.shape[-1])
+            g2 = backprops.reshape(a2.shape[0], a2.shape[1], backprops.shape[-1])
+            if a2.shape[1] == 1:
+                g_sq = widen(g2).pow(2).sum((1, 2))
+                if layer.weight.requires_grad:
+                    out[layer.weight] = (g_sq * widen(a2).pow(2).sum((1, 2))).sqrt()
+                if layer.bias is not None and layer.bias.requires_grad:
+                    out[layer.bias] = g_sq.sqrt()
+                return out
+            a, backprops = a2, g2
+        bias = layer.bias is not None and layer.bias.requires_grad
+        block = cache.block_for(a, backprops) if choice is None else choice.block
+        aat = None
+        if layer.weight.requires_grad:
+            shared = a.shape == activations[0].shape
+            aat = cache.gram(a, block) if shared else upper_gram(a, block)
+        w_sq, b_sq = contract_output_grams(aat, backprops, block, bias=bias)
+        if w_sq is not None:
+            out[layer.weight] = w_sq.clamp(min=0).sqrt()
+        if b_sq is not None:
+            out[layer.bias] = b_sq.clamp(min=0).sqrt()
+        return out
+
+    return linear_norm_sample
+
+
+def linear_per_sample_grads(
+    layer: nn.Linear, a: torch.Tensor, g: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``{"weight": (N, d_out, d_in), "bias": (N, d_out)}`` for the trainable parameters."""
+    out = {}
+    if layer.weight.requires_grad:
+        out["weight"] = torch.bmm(g.transpose(1, 2), a.to(g.dtype))
+    if layer.bias is not None and layer.bias.requires_grad:
+        out["bias"] = g.sum(1)
+    return out
+
+
+def per_sample_norms(psgs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter's per-sample gradient norm, accumulated in fp32."""
+    return {
+        name: torch.linalg.vector_norm(t.flatten(1), dim=1, dtype=torch.float32)
+        for name, t in psgs.items()
+    }
+
+
+def clipped_sum(psgs: dict[str, torch.Tensor], scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``sum_n scale_n psg_n`` per parameter, in the psg dtype.
+
+    fp32: one matrix-vector product. Lower precision: the fp32 coefficients are split into a
+    high and a low part in that dtype (``hi + lo`` carries about 16 significant bits), so two
+    products of the stored per-sample gradients replace converting them to fp32; each product
+    accumulates in fp32 and the result has the dtype's own rounding, as a batched matmul would.
+    """
+    out = {}
+    for name, t in psgs.items():
+        flat = t.flatten(1)
+        row = scale.view(1, -1)
+        if flat.dtype == torch.float32:
+            res = row @ flat
+        else:
+            hi = row.to(flat.dtype)
+            lo = (row - hi.float()).to(flat.dtype)
+            res = ((hi @ flat).float() + (lo @ flat).float()).to(flat.dtype)
+        out[name] = res.view(t.shape[1:])
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One exact norm strategy: per-sample gradients, or Grams in row blocks (0: full Grams)."""
+
+    block: int = 0
+    per_sample: bool = False
+
+    def __str__(self) -> str:
+        if self.per_sample:
+            return "per-sample gradients"
+        return f"Gram blocks of {self.block}" if self.block else "full Grams"
+
+
+#: A strategy's work as timed parts: ``(name, work, share)``; the cost is the sum of each part's
+#: time times its share, and a part named alike in two strategies is the same work.
+Work = list[tuple[str, Callable[[], object], float]]
+
+
+@register_layer(nn.Linear)
+class LinearRoom(LayerRoom):
+    """``nn.Linear``: see the module. The norm is Opacus's unless fast norms replace it."""
+
+    name = "linear"
+    norm = staticmethod(GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Linear])
+
+    def per_sample_grad(self, layer, activations, backprops):
+        """``G_n^T A_n`` per sample (inputs of any rank, flattened to ``(N, T, d)``)."""
+        a = activations[0]
+        a = a.reshape(a.shape[0], math.prod(a.shape[1:-1]), a.shape[-1])
+        g = backprops.reshape(a.shape[0], a.shape[1], backprops.shape[-1])
+        return linear_per_sample_grads(layer, a, g)
+
+    def clipped_grad(self, layer, inputs, grad_out):
+        """One matmul of the scaled output gradient and the input, over every token."""
+        a = _flat(inputs[0]).to(grad_out.dtype)
+        g = _flat(grad_out)
+        out = {"weight": g.t() @ a}
+        if layer.bias is not None:
+            out["bias"] = g.sum(0)
+        return out
+
+    @staticmethod
+    def fast_norm(cache: GramCache, policy=None, tuner=None):
+        """The Gram-matrix norm sampler (:func:`make_linear_norm_sampler`)."""
+        return make_linear_norm_sampler(cache, policy, tuner)
+
+    @staticmethod
+    def strategies(blocks: list[int], *, per_sample: bool, weight: bool) -> list[Candidate]:
+        """The exact norm strategies to choose from: Gram blocks, then per-sample gradients.
+
+        Args:
+            blocks: Gram row blocks to offer (0: full Grams), in order; repeats are dropped.
+            per_sample: Whether per-sample gradients may be taken in this step.
+            weight: Whether the weight is trainable (per-sample gradients replace its matmul).
+        """
+        out = [Candidate(block=b) for b in dict.fromkeys(blocks)]
+        return out + ([Candidate(per_sample=True)] if per_sample and weight else [])
+
+    @staticmethod
+    def work(
+        layer: nn.Linear,
+        a: torch.Tensor,
+        g: torch.Tensor,
+        c: Candidate,
+        readers: int,
+        *,
+        with_weight_grad: bool,
+    ) -> Work:
+        """What strategy ``c`` costs in the step, on input ``a`` and output gradient ``g``.
+
+        A Gram strategy: the layer's share of its input's Gram (shared by ``readers`` layers),
+        the output-gradient Gram and contraction, and, with ``with_weight_grad`` (when
+        per-sample gradients, which replace it, compete), the gradient phase's weight-gradient
+        matmul. Per-sample gradients: their matmul, norms and the weighted sum.
+        """
+        weight = layer.weight.requires_grad
+        bias = layer.bias is not None and layer.bias.requires_grad
+        if c.per_sample:
+            scale = torch.ones(a.shape[0], device=a.device, dtype=torch.float32)
+
+            def psg():
+                grads = linear_per_sample_grads(layer, a, g)
+                per_sample_norms(grads)
+                clipped_sum(grads, scale)
+
+            return [("per_sample", psg, 1.0)]
+        parts: Work = []
+        if with_weight_grad and weight:
+            a2, g2 = _flat(a).to(g.dtype), _flat(g)
+            parts.append(("weight_grad", lambda: g2.t() @ a2, 1.0))
+        aat = upper_gram(a, c.block) if weight else None
+        if weight:
+            parts.append((f"input_gram {c.block}", lambda: upper_gram(a, c.block), 1 / readers))
+        parts.append(
+            (
+                f"contract {c.block}",
+                lambda: contract_output_grams(aat, g, c.block, bias=bias),
+                1.0,
+            )
+        )
+        return parts

@@ -1,0 +1,132 @@
+"""Ghost-norm contractions from the upper block triangle of symmetric per-sample Gram matrices.
+
+A sequence ``Linear`` layer's per-sample weight-gradient norm is ``<A A^T, G G^T>`` (``T x T``
+Gram matrices of its input and output gradient). Both Grams are symmetric, so the contraction
+needs only their upper block triangle: split the ``T`` positions into row blocks of ``b``
+tokens; row block ``i`` (rows ``s_i .. s_i + w_i``) is multiplied against columns ``s_i .. T``
+only, and
+
+    <A A^T, G G^T> = sum_i ( <diagonal block_i> + 2 <off-diagonal part of row block_i> ).
+
+When ``b`` divides ``T`` into ``k`` blocks this computes ``(k + 1) / (2 k)`` of the full Grams'
+matmul FLOPs: 3/4 at two blocks, 5/8 at four, 9/16 at eight (:func:`flop_fraction` in general).
+It never holds a full ``N x T x T`` Gram of an output gradient: each row block is contracted and
+dropped. The result equals the full contraction to floating-point rounding (the summation order
+differs); products and sums are formed in fp32, or fp64 for fp64 inputs.
+
+Block sizes (``gram_block="auto"``, resolved per layer from the activation's device):
+
+- CPU: 64 tokens. Measured with ``memory_test/fsdp_llama3_profiling/gram_blocks.py`` (committed
+  in ``results/cpu-2cores-gram-blocks/``): the norms of a ``small`` decoder block 1.0-1.2x as
+  fast at ``T = 128``, 1.4x at 256, 1.5x at 512 and 1.8-2.2x at 1024 (two runs).
+- CUDA and other accelerators: 512 tokens, chosen without a GPU measurement. Each extra row
+  block adds a few kernel launches per layer while the Gram work grows as ``T^2``, so the blocks
+  start at ``T > 512`` (two blocks at 1024: 3/4 of the FLOPs) and multiply with longer
+  sequences. ``gram_blocks.py`` measures the choice on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``gram_block="auto"``: tokens per row block on CPU, and on every other device type.
+AUTO_BLOCK_CPU = 64
+AUTO_BLOCK_ACCELERATOR = 512
+
+
+def resolve_block(option: int | str, device: torch.device) -> int:
+    """Tokens per row block.
+
+    Args:
+        option: ``"auto"`` or a number of tokens (0: full Grams).
+        device: Where the Grams are computed (the layer input's device).
+
+    Returns:
+        The block size; 0 for full Grams.
+    """
+    if option == "auto":
+        return AUTO_BLOCK_CPU if device.type == "cpu" else AUTO_BLOCK_ACCELERATOR
+    return int(option)
+
+
+def describe_block(option: int | str, device: torch.device) -> str:
+    """One log phrase for the ``gram_block`` option on ``device`` (the model's)."""
+    block = resolve_block(option, device)
+    if not block:
+        return f"full Gram matrices (gram_block={option})"
+    return (
+        f"upper block triangle of the Grams in row blocks of {block} tokens "
+        f"(gram_block={option}, {device.type}; full Grams up to {block} tokens)"
+    )
+
+
+def row_blocks(t: int, block: int) -> list[tuple[int, int]]:
+    """``[(start, rows), ...]`` of the row blocks of ``t`` positions (one block when off)."""
+    if block <= 0 or block >= t:
+        return [(0, t)]
+    return [(s, min(block, t - s)) for s in range(0, t, block)]
+
+
+def flop_fraction(t: int, block: int) -> float:
+    """The fraction of the full Gram's matmul FLOPs that the upper block triangle computes."""
+    if t <= 0:
+        return 1.0
+    return sum(w * (t - s) for s, w in row_blocks(t, block)) / (t * t)
+
+
+def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """Row blocks of ``x x^T`` per sample.
+
+    Args:
+        x: ``(N, T, d)``.
+        block: Tokens per row block; 0 (or ``>= T``) gives the full Gram as one block.
+
+    Returns:
+        One ``(N, w_i, T - s_i)`` tensor per row block of :func:`row_blocks`.
+    """
+    xt = x.transpose(1, 2)
+    return [torch.bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in row_blocks(x.shape[1], block)]
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 if it is narrower (fp16, bf16); fp32 and fp64 are returned as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _fold(p: torch.Tensor, w: int) -> torch.Tensor:
+    """A row block's share of the full sum: its diagonal block once, the rest twice."""
+    diag = p[:, :, :w].sum((1, 2))
+    if p.shape[2] == w:
+        return diag
+    return diag + 2 * p[:, :, w:].sum((1, 2))
+
+
+def contract_output_grams(
+    aat: list[torch.Tensor] | None, g: torch.Tensor, block: int, *, bias: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Squared per-sample norms from the row blocks of ``G G^T``, each dropped after its use.
+
+    Args:
+        aat: :func:`upper_gram` of the layer input with the same ``block``, or None when the
+            weight is frozen.
+        g: The output gradient ``(N, T, d_out)``.
+        block: Tokens per row block (0: full Grams).
+        bias: Whether to return the bias term ``|sum_t g_t|^2`` (the sum of ``G G^T``).
+
+    Returns:
+        ``(weight_sq, bias_sq)``, each ``(N,)`` in at least fp32, or None where not asked for.
+    """
+    if aat is None:  # bias only: |sum_t g_t|^2 directly, no Gram
+        return None, (widen(g).sum(1).pow(2).sum(1) if bias else None)
+    w_sq = b_sq = None
+    gt = g.transpose(1, 2)
+    for i, (s, w) in enumerate(row_blocks(g.shape[1], block)):
+        ggt = torch.bmm(g[:, s : s + w], gt[:, :, s:])
+        a_i = aat[i]
+        prod = a_i * ggt if a_i.dtype == ggt.dtype == torch.float32 else widen(a_i) * ggt
+        part = _fold(prod, w)
+        w_sq = part if w_sq is None else w_sq + part
+        if bias:
+            part = _fold(widen(ggt), w)
+            b_sq = part if b_sq is None else b_sq + part
+    return w_sq, b_sq

@@ -1,0 +1,261 @@
+"""The norm-layer rooms: ``nn.LayerNorm``, and RMSNorm-like layers found by what they compute.
+
+``nn.LayerNorm``: its norm is Opacus's (from Opacus's per-sample gradient sampler); its
+per-sample and clipped gradients are sums of the output gradient times the normalised input
+``xhat`` (:class:`LayerNormRoom`).
+
+RMSNorm-like layers (:class:`RMSNormRoom`): a direct per-sample norm, chosen by what the layer
+computes (no functorch).
+
+Opacus has no norm sampler for Hugging Face RMSNorm layers (``LlamaRMSNorm`` and its copies) and
+falls back to functorch, which re-runs the layer per sample, deep-copies it (impossible for an
+FSDP unit) and reads ``layer.parameters()`` (empty under FSDP1 during backward). For
+``y = w * xhat`` with ``xhat`` the normalised input (fp32 variance, cast back to the input dtype,
+as Llama computes it), sample n's weight gradient is ``sum_t dy_t * xhat_t``.
+
+Which layers take the formula is not read from their class name: a layer type Opacus has no
+sampler for, whose only trainable parameter is a 1-D ``weight`` and which holds a float
+``variance_epsilon`` (or ``eps``), is a candidate; the formula is then checked once per type
+against autograd through the type's own forward on a small probe (three samples, rows at several
+scales, one of them at the size of ``eps``, a random weight). A type whose per-sample weight
+gradients differ (a forward that ignores ``eps``, normalises otherwise, or is replaced per
+instance) keeps Opacus's generic per-sample gradients, and the one-backward step its generic
+path; a warning names it. A forward whose weight gradient is the same, such as Gemma's
+``(1 + w) * xhat``, rightly keeps the formula.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+)
+from torch import nn
+
+from .registry import LayerRoom, Unavailable, register_layer, room_named
+
+logger = logging.getLogger(__name__)
+
+#: Attributes holding the epsilon the formula adds to the variance, in the order looked up.
+EPS_ATTRIBUTES = ("variance_epsilon", "eps")
+#: Relative tolerance of the probe, run in the weight's dtype (Llama's forward and the formula
+#: perform the same operations: bit-equal in fp64, fp32, bf16 and fp16).
+PROBE_RTOL = 1e-5
+
+_VERDICTS: dict[type, bool] = {}
+
+
+def layer_type(module: nn.Module) -> type:
+    """The layer's own class (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:
+        return cls.__bases__[1]
+    return cls
+
+
+def epsilon(layer: nn.Module) -> float | None:
+    """The layer's float epsilon (:data:`EPS_ATTRIBUTES`), or None."""
+    for name in EPS_ATTRIBUTES:
+        eps = getattr(layer, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension in fp32, cast to ``x``'s dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
+def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(N, H)``: sample n's weight gradient ``sum_t dy_t * xhat_t`` (batch first)."""
+    xhat = normalized(x, eps)
+    tokens = math.prod(dy.shape[1:-1])  # not -1: a batch may be empty
+    return (dy.to(xhat.dtype) * xhat).reshape(dy.shape[0], tokens, dy.shape[-1]).sum(dim=1)
+
+
+def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
+    """Per-sample gradient norm of an RMSNorm weight (Opacus's norm-sampler signature)."""
+    g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
+    return {layer.weight: g.float().norm(2, dim=-1)}
+
+
+def _opacus_handles(cls: type) -> bool:
+    hooks = GradSampleHooksFastGradientClipping
+    return cls in hooks.NORM_SAMPLERS or cls in hooks.GRAD_SAMPLERS
+
+
+def is_candidate(module: nn.Module, cls: type) -> bool:
+    """Whether ``module`` looks like an RMSNorm: one 1-D trainable ``weight`` and a float eps."""
+    if _opacus_handles(cls) or epsilon(module) is None or "forward" in vars(module):
+        return False
+    weight = getattr(module, "weight", None)
+    trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and trainable in ([], ["weight"])
+
+
+def _probe_layer(module: nn.Module, cls: type, weight: torch.Tensor) -> nn.Module:
+    """A fresh, hook-free ``cls`` with ``module``'s plain attributes and ``weight``."""
+    probe = cls.__new__(cls)
+    nn.Module.__init__(probe)
+    for name, value in vars(module).items():
+        if not name.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
+            probe.__dict__[name] = value
+    probe.weight = nn.Parameter(weight)
+    return probe
+
+
+def formula_error(module: nn.Module, cls: type, hidden: int = 8) -> float:
+    """Largest relative error of the formula's per-sample weight gradients on a probe.
+
+    The probe runs ``cls``'s forward (not ``module``'s hooks) in the weight's dtype on three
+    samples of four tokens, rows scaled from ``sqrt(eps)`` to 30, with a random weight, and takes
+    each sample's weight gradient by autograd. Its random numbers come from a private generator.
+    """
+    eps = epsilon(module)
+    weight = module.weight
+    device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    small = eps**0.5 if eps > 0 else 1e-3  # a row where eps matters
+    scales = torch.tensor([small, 1e-3, 1.0, 30.0]).view(1, 4, 1)
+    w = torch.rand(hidden, generator=gen) + 0.5
+    x = torch.randn(3, 4, hidden, generator=gen) * scales
+    dy = torch.randn(3, 4, hidden, generator=gen)
+    w, x, dy = (t.to(device=device, dtype=dtype) for t in (w, x, dy))
+    probe = _probe_layer(module, cls, w)
+    with torch.enable_grad():
+        grads = []
+        for n in range(x.shape[0]):
+            out = probe(x[n : n + 1])
+            (g,) = torch.autograd.grad(out, probe.weight, dy[n : n + 1])
+            grads.append(g)
+    auto = torch.stack(grads).float()
+    ours = per_sample_weight_grads(x, dy, eps).float()
+    err = ((ours - auto).abs().max() / auto.abs().max().clamp(min=1e-30)).item()
+    return err if err == err else float("inf")  # NaN: not verified
+
+
+def has_rms_formula(module: nn.Module, cls: type | None = None) -> bool:
+    """Whether the RMSNorm formula gives ``module``'s weight gradients (checked once per type).
+
+    Args:
+        module: A hooked layer.
+        cls: Its own class (:func:`layer_type` when None).
+    """
+    cls = layer_type(module) if cls is None else cls
+    if cls in _VERDICTS:
+        return _VERDICTS[cls] and "forward" not in vars(module)
+    if not is_candidate(module, cls):
+        return False
+    try:
+        err = formula_error(module, cls)
+        why = f"max relative error {err:.2e} on a probe"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not verified
+        err, why = float("inf"), f"the probe failed: {type(exc).__name__}: {exc}"
+    ok = err <= PROBE_RTOL
+    _VERDICTS[cls] = ok
+    if ok:
+        logger.info("[Ghost] %s: direct RMSNorm weight-gradient formula (%s)", cls.__name__, why)
+    else:
+        logger.warning(
+            "[Ghost] %s has an RMSNorm-like weight and epsilon but its forward's weight "
+            "gradient is not the RMSNorm formula's (%s): its norms come from Opacus's generic "
+            "per-sample gradients and its clipped gradient from its own autograd",
+            cls.__name__,
+            why,
+        )
+    return ok
+
+
+def rms_norm_types(model: nn.Module) -> set[type]:
+    """Every layer type in ``model`` that passes the check (and FSDP2's ``FSDP<Class>`` too).
+
+    A type with an instance whose forward was replaced on the instance is left out.
+    """
+    passed: dict[type, set[type]] = {}
+    blocked: set[type] = set()
+    for m in model.modules():
+        cls = layer_type(m)
+        if "forward" in vars(m):
+            blocked.add(cls)
+        elif has_rms_formula(m, cls):
+            passed.setdefault(cls, set()).update({cls, type(m)})
+    return {c for cls, cs in passed.items() if cls not in blocked for c in cs}
+
+
+def rms_norm_samplers(model: nn.Module) -> dict[type, object]:
+    """``{class: the RMSNorm room's norm}`` for every type of :func:`rms_norm_types`."""
+    room = room_named("rms_norm")
+    return {c: room.norm for c in rms_norm_types(model)}
+
+
+def _dims_but_batch(grad_out: torch.Tensor, trailing: int) -> tuple[int, ...]:
+    return tuple(range(1, grad_out.dim() - trailing))
+
+
+@register_layer(nn.LayerNorm)
+class LayerNormRoom(LayerRoom):
+    """``nn.LayerNorm``: ``y = w * xhat + b``, weight gradient ``dy * xhat``, bias ``dy``."""
+
+    name = "layer_norm"
+    norm = Unavailable(
+        "norm of its own",
+        "Opacus computes a LayerNorm's norm from its registered per-sample gradient sampler",
+    )
+
+    def per_sample_grad(self, layer, activations, backprops):
+        """Per-sample sums over the positions of ``dy * xhat`` (weight) and ``dy`` (bias)."""
+        xhat = F.layer_norm(activations[0], layer.normalized_shape, None, None, layer.eps)
+        dims = _dims_but_batch(backprops, len(layer.normalized_shape))
+        out = {}
+        if layer.weight is not None and layer.weight.requires_grad:
+            out["weight"] = (backprops * xhat).sum(dims)
+        if layer.bias is not None and layer.bias.requires_grad:
+            out["bias"] = backprops.sum(dims)
+        return out
+
+    def clipped_grad(self, layer, inputs, grad_out):
+        """The same sums over the batch too, of the scaled output gradient."""
+        x = inputs[0]
+        xhat = F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
+        dims = tuple(range(grad_out.dim() - len(layer.normalized_shape)))
+        out = {}
+        if layer.weight is not None:
+            out["weight"] = (grad_out * xhat).sum(dims)
+        if layer.bias is not None:
+            out["bias"] = grad_out.sum(dims)
+        return out
+
+
+@register_layer(match=True)
+class RMSNormRoom(LayerRoom):
+    """RMSNorm-like layers whose weight gradient is verified to be ``dy * xhat`` (the module)."""
+
+    name = "rms_norm"
+
+    def matches(self, module, module_type):
+        """Whether the formula was verified for the layer's type (:func:`has_rms_formula`)."""
+        return has_rms_formula(module, module_type)
+
+    def types_in(self, model):
+        """:func:`rms_norm_types`."""
+        return rms_norm_types(model)
+
+    norm = staticmethod(rms_norm_sample)
+
+    def per_sample_grad(self, layer, activations, backprops):
+        """:func:`per_sample_weight_grads`."""
+        return {"weight": per_sample_weight_grads(activations[0], backprops, epsilon(layer))}
+
+    def clipped_grad(self, layer, inputs, grad_out):
+        """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""
+        x = inputs[0]
+        xhat = normalized(x, epsilon(layer))
+        return {"weight": (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)}

@@ -1,0 +1,175 @@
+"""Which room computes a layer's per-sample norm, per-sample gradient and clipped gradient.
+
+As Opacus registers a grad sampler per layer type (``register_grad_sampler`` in
+``opacus/grad_sample/utils.py``), a room registers itself for its layer types::
+
+    @register_layer(nn.Linear)
+    class LinearRoom(LayerRoom):
+        ...
+
+The hooks build their norm-sampler table from the registry (:func:`norm_samplers`) and the
+one-backward step takes each layer's clipped gradient from :func:`room_for`, so registering a room
+is all a new layer type needs. A room matched by what a layer computes rather than by its type
+(RMSNorm-like layers) registers with ``match=`` instead. Layers no room claims take the generic
+room (the exact replay); tied weights have their own room (:data:`TIED`), found by name.
+
+Norms are looked up by the exact type, as Opacus dispatches them (a subclass of ``nn.Linear``
+keeps Opacus's own sampler for it); clipped gradients by the most specific registered base class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class Unavailable:
+    """An explicit "this room has none" in place of a function; calling it raises.
+
+    Args:
+        what: What is missing (``"per-sample gradient"``, ...).
+        why: Why, for the reader and the error.
+    """
+
+    def __init__(self, what: str, why: str) -> None:
+        self.what, self.why = what, why
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, *args, **kwargs):
+        """Raises: the room has no such function."""
+        raise NotImplementedError(f"no {self.what}: {self.why}")
+
+    def __repr__(self) -> str:
+        return f"Unavailable({self.what!r}: {self.why})"
+
+
+class LayerRoom:
+    """One layer type's per-sample norm, per-sample gradient and clipped gradient.
+
+    All three read the same tensors: the layer's captured inputs and its output gradient (batch
+    first; for :meth:`norm` and :meth:`per_sample_grad` scaled so that row n belongs to sample n's
+    loss, as Opacus's ``rearrange_grad_samples`` returns it). A room without one of them sets the
+    attribute to an :class:`Unavailable` saying why.
+
+    Attributes:
+        name: The room's name (logs, tests).
+        direct: Whether :meth:`clipped_grad` is a formula that never reads the parameters (it may
+            then run on sharded parameters); False for the generic replay.
+    """
+
+    name: str = ""
+    direct: bool = True
+
+    def matches(self, module: nn.Module, module_type: type) -> bool:
+        """Whether this room computes ``module`` (rooms registered with ``match=``)."""
+        return True
+
+    def types_in(self, model: nn.Module) -> set[type]:
+        """The layer types of ``model`` this room computes (rooms registered with ``match=``)."""
+        return set()
+
+    def norm(self, layer: nn.Module, activations: list, backprops: torch.Tensor) -> dict:
+        """Per-sample gradient norms ``{parameter: (N,)}`` (Opacus's norm-sampler signature)."""
+        raise NotImplementedError
+
+    def per_sample_grad(
+        self, layer: nn.Module, activations: list, backprops: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Per-sample gradients ``{name: (N, *param.shape)}`` of the trainable parameters."""
+        raise NotImplementedError
+
+    def clipped_grad(
+        self, layer: nn.Module, inputs: list, grad_out: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """``{name: sum_n c_n grad_n}``, given the output gradient whose row n is ``c_n b_n``."""
+        raise NotImplementedError
+
+
+_BY_TYPE: dict[type, LayerRoom] = {}
+_MATCHED: list[LayerRoom] = []
+_NAMED: dict[str, LayerRoom] = {}
+
+
+def register_layer(*types: type, match: bool = False) -> Callable:
+    """Class decorator: registers one instance of the decorated :class:`LayerRoom`.
+
+    Args:
+        *types: Layer types the room computes (a later registration for a type replaces an
+            earlier one, as Opacus's decorators do).
+        match: Register as a room found by :meth:`LayerRoom.matches` (tried after every typed
+            room, in registration order).
+
+    Every room is also registered under its ``name`` (the generic and the tied room only so).
+    """
+
+    def decorator(cls: type[LayerRoom]) -> type[LayerRoom]:
+        room = cls()
+        _NAMED[room.name] = room
+        for t in types:
+            _BY_TYPE[t] = room
+        if match:
+            _MATCHED.append(room)
+        return cls
+
+    return decorator
+
+
+def unregister_layer(*types: type) -> None:
+    """Forgets the rooms registered for ``types`` (tests)."""
+    for t in types:
+        _BY_TYPE.pop(t, None)
+
+
+def room_named(name: str) -> LayerRoom:
+    """The room registered under ``name`` (``"linear"``, ``"generic"``, ``"tied"``, ...)."""
+    return _NAMED[name]
+
+
+def rooms() -> dict[str, LayerRoom]:
+    """Every registered room by name."""
+    return dict(_NAMED)
+
+
+def typed_rooms() -> dict[type, LayerRoom]:
+    """The rooms registered by layer type."""
+    return dict(_BY_TYPE)
+
+
+def room_for(module: nn.Module, module_type: type | None = None) -> LayerRoom:
+    """The room that computes ``module``'s clipped gradient.
+
+    Args:
+        module: A hooked layer.
+        module_type: The type Opacus sees (FSDP2's ``FSDP<Class>`` mapped back); ``type(module)``
+            when None.
+
+    Returns:
+        The room of the most specific registered base class, else the first matching room,
+        else the generic room.
+    """
+    module_type = type(module) if module_type is None else module_type
+    for cls in module_type.__mro__:
+        if cls in _BY_TYPE:
+            return _BY_TYPE[cls]
+    for room in _MATCHED:
+        if room.matches(module, module_type):
+            return room
+    return _NAMED["generic"]
+
+
+def norm_samplers(model: nn.Module) -> dict:
+    """``{layer type: norm function}`` the hooks use for ``model``, by exact type.
+
+    Typed rooms with a norm of their own, then the matched rooms' types found in ``model``
+    (see :meth:`types_in` of such a room). Rooms whose norm is :class:`Unavailable` leave their
+    types to Opacus's per-sample gradients.
+    """
+    table = {t: room.norm for t, room in _BY_TYPE.items() if room.norm}
+    for room in _MATCHED:
+        if room.norm:
+            table.update({t: room.norm for t in room.types_in(model)})
+    return table

@@ -1,0 +1,281 @@
+"""Every hooked layer type has a room; the engine dispatches through the registry; each room's
+norm, per-sample gradient and clipped gradient agree on the same tensors.
+
+References: a room's per-sample gradients are checked against autograd one sample at a time
+(fp64, 1e-10), its norm against their norms, its clipped gradient against their weighted sum;
+the fake room's step against the clip-each-sample loop (fp32, 1e-6).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+)
+from torch import nn
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.layers import (
+    LayerRoom,
+    Unavailable,
+    register_layer,
+    room_for,
+    room_named,
+    rooms,
+    unregister_layer,
+)
+from opacus_fsdp_sync.layers.tied import find_shared_parameters
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import make_private
+
+warnings.filterwarnings("ignore")
+B, T, D, V = 4, 5, 6, 11
+TOL = 1e-6
+LR = 0.5
+#: The RMSNorm formula, as Llama, takes the variance in fp32: fp64 inputs agree to fp32 rounding.
+ROOM_TOL = {"linear": 1e-10, "layer_norm": 1e-10, "rms_norm": 1e-6, "generic": 1e-10}
+
+
+class RMSNormLike(nn.Module):
+    """Llama's RMSNorm: ``w * x / sqrt(mean(x^2) + eps)`` (fp32 variance)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class Gain(nn.Module):
+    """``tanh(x) * w``: a layer no room and no Opacus sampler covers (the generic room)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight
+
+
+class AllKinds(nn.Module):
+    """Embedding, Linear, LayerNorm, an RMSNorm-like layer, a generic layer, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.lin = nn.Linear(D, D)
+        self.ln = nn.LayerNorm(D)
+        self.rms = RMSNormLike(D)
+        self.gain = Gain(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.gain(self.rms(self.ln(self.lin(self.emb(ids))))))
+
+
+def _complete(room: LayerRoom) -> bool:
+    """All three present: a function, or an explicit :class:`Unavailable` saying why."""
+    parts = (room.norm, room.per_sample_grad, room.clipped_grad)
+    return all(callable(p) or (isinstance(p, Unavailable) and p.why) for p in parts)
+
+
+@pytest.mark.parametrize("fast_norms", [True, False])
+def test_every_hooked_layer_type_has_a_complete_room(fast_norms):
+    model = AllKinds()
+    engine = PrivacyEngine(fast_norms=fast_norms)
+    ids = torch.randint(1, V, (B, T))
+    gsm, *_ = make_private(engine, model, (ids, ids), B, 1.0, "ghost")
+    hooked = list(gsm.iterate_submodules(gsm._module))
+    found = {type(m).__name__: room_for(m, gsm.layer_type(m)).name for m in hooked}
+    assert found == {
+        "Embedding": "embedding",
+        "Linear": "linear",
+        "LayerNorm": "layer_norm",
+        "RMSNormLike": "rms_norm",
+        "Gain": "generic",
+    }
+    assert find_shared_parameters(model)  # the tied head: the tied room's case
+    assert {"linear", "embedding", "layer_norm", "rms_norm", "generic", "tied"} <= set(rooms())
+    assert all(_complete(room) for room in rooms().values())
+    # The hooks' norms are the rooms' (Opacus's own per-sample path for the LayerNorm).
+    assert gsm.NORM_SAMPLERS[nn.Embedding] is room_named("embedding").norm
+    linear = gsm.NORM_SAMPLERS[nn.Linear]
+    if fast_norms:  # the Linear room's Gram-matrix norm (LinearRoom.fast_norm)
+        assert linear.__module__ == "opacus_fsdp_sync.layers.linear"
+    else:
+        assert linear is room_named("linear").norm
+    assert gsm.NORM_SAMPLERS[RMSNormLike] is room_named("rms_norm").norm
+    assert gsm.NORM_SAMPLERS[Gain] is room_named("generic").norm
+    assert nn.LayerNorm not in gsm.NORM_SAMPLERS
+
+
+class Scale(nn.Module):
+    """``x * w``, with a room registered by the test below."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ScaleRoom(LayerRoom):
+    """The test's room for :class:`Scale`: counts its calls."""
+
+    name = "test_scale"
+    calls = {"norm": 0, "clipped_grad": 0}
+    per_sample_grad = Unavailable("per-sample gradient", "the test's room has none")
+
+    def norm(self, layer, activations, backprops):
+        type(self).calls["norm"] += 1
+        x, g = activations[0], backprops
+        psg = (x * g).reshape(x.shape[0], -1, x.shape[-1]).sum(1)
+        return {layer.weight: psg.norm(2, dim=-1)}
+
+    def clipped_grad(self, layer, inputs, grad_out):
+        type(self).calls["clipped_grad"] += 1
+        x = inputs[0]
+        return {"weight": (x * grad_out).reshape(-1, x.shape[-1]).sum(0)}
+
+
+class ScaleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.scale = Scale(D)
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.scale(self.inp(x))))
+
+
+@pytest.fixture()
+def scale_room():
+    register_layer(Scale)(ScaleRoom)
+    ScaleRoom.calls.update(norm=0, clipped_grad=0)
+    try:
+        yield ScaleRoom
+    finally:
+        unregister_layer(Scale)
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+def test_engine_uses_a_registered_room(scale_room, one_backward):
+    torch.manual_seed(0)
+    base = ScaleNet()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, T, D, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+    def loss_fn(model, xi, yi):
+        return F.cross_entropy(model(xi).sum(1), yi)
+
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), loss_fn, x, y, 1.0)
+    C = norms.median().item()
+    ref = copy.deepcopy(base)
+    clip_each_sample_step(ref, loss_fn, x, y, C, LR)
+    model = copy.deepcopy(base)
+    engine = PrivacyEngine(one_backward=one_backward)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost", lr=LR)
+    room = room_for(model.scale)
+    assert isinstance(room, ScaleRoom) and gsm.NORM_SAMPLERS[Scale] == room.norm
+    crit(gsm(x).sum(1), y).backward()
+    opt.step()
+    assert engine.one_backward is one_backward
+    assert scale_room.calls == {"norm": 1, "clipped_grad": 1 if one_backward else 0}
+    assert (norms > C).any() and (norms <= C).any()  # clipping active
+    moved = {n: p.detach() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert (moved[n] - p).abs().max().item() <= TOL, n
+    assert (moved["scale.weight"] - base.scale.weight).abs().max().item() > 1e-3
+
+
+def _psg_by_autograd(layer, x, g):
+    """Each sample's gradient of ``<g_n, layer(x_n)>`` by autograd."""
+    params = {n: p for n, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    out = {n: [] for n in params}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(layer(x[i : i + 1]), list(params.values()), g[i : i + 1])
+        for n, gr in zip(params, grads):
+            out[n].append(gr)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+LAYERS = {
+    "linear": lambda: nn.Linear(D, 3),
+    "layer_norm": lambda: nn.LayerNorm(D),
+    "rms_norm": lambda: RMSNormLike(D, eps=0.1),
+    "generic": lambda: Gain(D),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_room_norm_and_gradients_from_the_same_tensors(kind):
+    torch.manual_seed(0)
+    layer = LAYERS[kind]().double()
+    room, tol = room_for(layer), ROOM_TOL[kind]
+    assert room.name == kind
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    g = torch.randn(B, T, layer(x).shape[-1], dtype=torch.float64)
+    auto = _psg_by_autograd(layer, x, g)
+    psg = room.per_sample_grad(layer, [x], g)
+    assert psg.keys() == auto.keys()
+    for n in auto:
+        assert (psg[n] - auto[n]).abs().max().item() <= tol, n
+    if room.norm:
+        norms = room.norm(layer, [x], g)
+        for n, p in layer.named_parameters():
+            expected = auto[n].flatten(1).norm(dim=1)
+            assert (norms[p] - expected).abs().max().item() <= tol, n
+    else:  # Opacus's per-sample gradients give the norm: ours agree with them
+        upstream = GradSampleHooksFastGradientClipping.GRAD_SAMPLERS[type(layer)]
+        for p, gs in upstream(layer, [x], g).items():
+            n = next(k for k, q in layer.named_parameters() if q is p)
+            assert (gs - auto[n]).abs().max().item() <= tol, n
+    c = torch.rand(B, dtype=torch.float64)
+    clipped = room.clipped_grad(layer, [x], g * c.view(-1, 1, 1))
+    for n in auto:
+        expected = (auto[n] * c.view(-1, *[1] * (auto[n].dim() - 1))).sum(0)
+        assert (clipped[n] - expected).abs().max().item() <= tol, n
+
+
+def test_embedding_room_norm_and_clipped_gradient_from_the_same_tensors():
+    torch.manual_seed(0)
+    layer = nn.Embedding(V, D, padding_idx=0).double()
+    room = room_for(layer)
+    ids = torch.randint(0, V, (B, T))
+    ids[:, 0] = 0  # padding positions get no gradient
+    g = torch.randn(B, T, D, dtype=torch.float64)
+    auto = _psg_by_autograd(layer, ids, g)["weight"]
+    assert not room.per_sample_grad and room.per_sample_grad.why
+    norms = room.norm(layer, [ids], g)[layer.weight]
+    assert (norms - auto.flatten(1).norm(dim=1)).abs().max().item() <= 1e-10
+    c = torch.rand(B, dtype=torch.float64)
+    clipped = room.clipped_grad(layer, [ids], g * c.view(-1, 1, 1))["weight"]
+    assert (clipped - (auto * c.view(-1, 1, 1)).sum(0)).abs().max().item() <= 1e-10
+
+
+def test_tied_room_cross_term_and_sum():
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(V, D).double(), nn.Linear(D, V, bias=False).double()
+    head.weight = emb.weight
+    ids = torch.randint(0, V, (B, T))
+    a, e = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, T, D, dtype=torch.float64)
+    b = torch.randn(B, T, V, dtype=torch.float64)
+    g_emb = _psg_by_autograd(emb, ids, e)["weight"]
+    g_head = _psg_by_autograd(head, a, b)["weight"]
+    tied = room_named("tied")
+    cross = tied.norm(tied.Use(head, a, b), tied.Use(emb, ids, e))
+    expected = (g_emb * g_head).sum((1, 2))  # formed in fp32: to fp32 rounding of |G1| |G2|
+    scale = g_emb.flatten(1).norm(dim=1) * g_head.flatten(1).norm(dim=1)
+    assert ((cross - expected).abs() / scale).max().item() <= 1e-6
+    assert torch.equal(tied.clipped_grad([g_emb[0], g_head[0]]), g_emb[0] + g_head[0])
+    assert not tied.per_sample_grad and tied.per_sample_grad.why
