@@ -42,6 +42,10 @@ _OPACUS_DISTRIBUTED = (
 )
 
 
+def _rank() -> int:
+    return torch.distributed.get_rank() if world_size() > 1 else 0
+
+
 def _first_device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -311,7 +315,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return SharedPoissonDataLoader.from_data_loader(
                 data_loader,
-                seed=self.randomness.shared_seed("sampler"),
+                seed=self.randomness.shared_seed("sampler", distributed=distributed),
+                rank=_rank() if distributed else 0,
+                world_size=world_size() if distributed else 1,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
@@ -325,7 +331,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return DPDataLoader.from_data_loader(
                 data_loader,
-                generator=self.randomness.generator("sampler", torch.device("cpu")),
+                generator=self.randomness.generator(
+                    "sampler", torch.device("cpu"), distributed=distributed
+                ),
                 distributed=distributed,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
@@ -338,7 +346,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             rand_on_empty=rand_on_empty,
         )
 
-    def _noise_generator(self, optimizer, given):
+    def _noise_generator(self, optimizer, given, *, distributed: bool):
         """The noise generator: ``secure_rng``, the user's ``noise_generator``, or ours.
 
         Ours is seeded from :attr:`randomness` (OS entropy unless ``dp_seed``), the same on
@@ -358,7 +366,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 device = p.device
                 break
             break
-        return self.randomness.generator("noise", device)
+        return self.randomness.generator("noise", device, distributed=distributed)
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or the API record's where the API already reduced gradients.
@@ -374,7 +382,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             kwargs["distributed"] = True
         factory = self._plan.optimizer
         inner = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
-        generator = self._noise_generator(inner, kwargs.get("noise_generator"))
+        generator = self._noise_generator(
+            inner, kwargs.get("noise_generator"), distributed=bool(kwargs.get("distributed"))
+        )
         if factory is None or kwargs.get("clipping") != "flat":
             kwargs["noise_generator"] = None if self.secure_mode else generator
             return super()._prepare_optimizer(optimizer=optimizer, **kwargs)

@@ -118,10 +118,20 @@ class DPRandomness:
             return os_seed()
         return splitmix64(self.dp_seed, _purpose_code(purpose, index))
 
-    def shared_seed(self, purpose: str, device: torch.device | None = None) -> int:
-        """Rank 0's :meth:`local_seed` on every rank. Collective: every rank must call it."""
-        return broadcast_seed(self.local_seed(purpose), device)
+    def shared_seed(
+        self, purpose: str, *, distributed: bool, device: torch.device | None = None
+    ) -> int:
+        """Rank 0's :meth:`local_seed` on every rank of a distributed model, else this process's.
 
-    def generator(self, purpose: str, device: torch.device) -> torch.Generator:
-        """A generator on ``device`` seeded with :meth:`shared_seed` (the same on every rank)."""
-        return torch.Generator(device=device).manual_seed(self.shared_seed(purpose, device))
+        Collective when ``distributed``: every rank must call it. A one-device model in a
+        process group (a reference on rank 0) draws its own seed and issues no collective.
+        """
+        seed = self.local_seed(purpose)
+        return broadcast_seed(seed, device) if distributed else seed
+
+    def generator(
+        self, purpose: str, device: torch.device, *, distributed: bool
+    ) -> torch.Generator:
+        """A generator on ``device`` seeded with :meth:`shared_seed`."""
+        seed = self.shared_seed(purpose, distributed=distributed, device=device)
+        return torch.Generator(device=device).manual_seed(seed)

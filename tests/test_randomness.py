@@ -149,3 +149,9 @@ def test_a_checkpoint_of_another_layout_is_refused(tmp_path, saved, loaded, name
     other = run_ranks(wr.cross_layout, 2, "load", loaded, path, timeout=300)[0]
     assert other["error"] is not None and "CheckpointMismatchError" in other["error"]
     assert named in other["error"] and "fresh_noise=True" in other["error"], other["error"]
+
+
+@pytest.mark.distributed
+def test_a_one_device_model_on_one_rank_of_a_group_issues_no_collective():
+    res = run_ranks(wr.one_device_on_rank0, 2, timeout=120)[0]
+    assert res == {"world": 1, "sizes_match": True, "steps": 2}

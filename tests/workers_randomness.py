@@ -114,3 +114,25 @@ def cross_layout(rank: int, world: int, phase: str, layout: str, path: str) -> d
     except Exception as err:  # noqa: BLE001 - the parent judges the message
         return {"error": f"{type(err).__name__}: {err}"}
     return {"error": None}
+
+
+def one_device_on_rank0(rank: int, world: int) -> dict:
+    """Rank 0 alone makes a one-device model private inside the process group (a reference
+    computed beside a distributed run): no collective, the whole draw on this process."""
+    import torch.distributed as dist
+
+    out = {}
+    if rank == 0:
+        engine, model, gsm, opt, crit, loader = _private("single", world, dp_seed=None, noise=1.0)
+        _steps(model, gsm, opt, crit, loader, 2)
+        sampler = engine.sampler
+        out = {
+            "world": sampler.world_size,
+            "sizes_match": all(
+                len(sampler.local_share(sampler.global_draw(t))) == len(sampler.global_draw(t))
+                for t in range(3)
+            ),
+            "steps": engine.optimizer_steps,
+        }
+    dist.barrier()  # rank 1 waits here: a collective on rank 0 alone would hang both
+    return out

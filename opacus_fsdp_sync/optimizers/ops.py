@@ -8,9 +8,25 @@ generator.
 from __future__ import annotations
 
 import torch
+from opacus.optimizers import DistributedDPOptimizer
+from opacus.optimizers.ddp_perlayeroptimizer import DistributedPerLayerOptimizer
+from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+    DistributedDPOptimizerFastGradientClipping,
+)
+from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
+    FSDPOptimizerFastGradientClipping,
+)
 
 from ..distributed.api import DPOptimizerOps
 from .noised_step import ScaledWithNoise
+
+#: Opacus's optimizers whose ranks must share one noise stream (replicas stay equal).
+_DISTRIBUTED = (
+    DistributedDPOptimizer,
+    DistributedPerLayerOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    FSDPOptimizerFastGradientClipping,
+)
 
 
 class OpacusOptimizerOps:
@@ -40,7 +56,10 @@ class OpacusOptimizerOps:
             return
         params = self.optimizer.params
         device = params[0].device if params else torch.device("cpu")
-        self.optimizer.generator = DPRandomness().generator("noise", device)
+        distributed = isinstance(self.optimizer, _DISTRIBUTED)
+        self.optimizer.generator = DPRandomness().generator(
+            "noise", device, distributed=distributed
+        )
 
 
 def optimizer_ops(optimizer) -> DPOptimizerOps:

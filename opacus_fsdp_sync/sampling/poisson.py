@@ -216,6 +216,8 @@ class SharedPoissonDataLoader(DataLoader):
         secure: bool = True,
         batch_first: bool = True,
         rand_on_empty: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> SharedPoissonDataLoader:
         """The shared-draw loader for ``data_loader``'s dataset and expected batch size.
 
@@ -228,6 +230,9 @@ class SharedPoissonDataLoader(DataLoader):
             secure: Kept for callers of earlier releases (seeds always come from OS entropy).
             batch_first: As in Opacus.
             rand_on_empty: As in Opacus.
+            rank: This rank among those sharing the draw (None: the process group's).
+            world_size: How many ranks share the draw (None: the process group's size; 1 for a
+                one-device model inside a process group).
 
         Raises:
             ValueError: for an iterable dataset, one without ``len``, or an empty one.
@@ -251,8 +256,10 @@ class SharedPoissonDataLoader(DataLoader):
                 f"Poisson sampling indexes the dataset by integers; {type(dataset).__name__}[0] "
                 f"raised {type(err).__name__}: {err}"
             ) from err
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        grouped = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if grouped else 0
+        world = world_size if world_size is not None else dist.get_world_size() if grouped else 1
         sampler = SharedPoissonSampler(
             num_samples=n,
             sample_rate=1 / steps,
