@@ -19,16 +19,18 @@ from .backward import GhostStepContext, SyncDPLoss
 from .distributed.api import OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
-from .distributed.registry import Detected, detect_api
+from .distributed.registry import detect_api
 from .empty_batch import EmptyBatchStandIn
 from .hooks import ghost_class
 from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
+from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
+from .sampling.accounting import account_draws, count_steps
 from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -64,45 +66,6 @@ class _CallPlan:
     """The layout is distributed but Opacus, judging by the wrapper's type, counts it as one
     process (FSDP1; FSDP2 without a root unit or below a plain wrapper): the data loader and the
     expected batch per rank must be the distributed ones."""
-
-
-def _account_draws(accountant, optimizer, sampler: SharedPoissonSampler, on_step) -> None:
-    """The accountant counts every draw ``sampler`` hands out, when it hands it out.
-
-    Opacus counts optimizer steps: a draw consumed without a step (skipped after an error, or
-    accumulated by hand) was never counted. Here each draw counts once, step or not, and an
-    optimizer step on a draw that already had one (the same examples released twice) counts
-    once more, with a warning. ``on_step`` is called on every step taken.
-    """
-    q = sampler.sample_rate
-
-    def on_draw(_count: int) -> None:
-        accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=q)
-
-    def step_hook(opt) -> None:
-        on_step()
-        if not sampler.step_taken():
-            logger.warning(
-                "[Ghost] a second optimizer step on the same Poisson draw: its examples are "
-                "released twice, so the accountant counts one more step. Draw a new batch "
-                "(next(iter(loader))) for every step."
-            )
-            accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=q)
-
-    sampler.on_draw = on_draw
-    optimizer.step_hook = step_hook
-
-
-def _count_steps(optimizer, on_step) -> None:
-    """Calls ``on_step`` after the step hook Opacus attached (its accountant's)."""
-    account = optimizer.step_hook
-
-    def step_hook(opt) -> None:
-        if account is not None:
-            account(opt)
-        on_step()
-
-    optimizer.step_hook = step_hook
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -254,9 +217,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self._plan = _CallPlan()
         sampler = made[-1].batch_sampler
         if isinstance(sampler, SharedPoissonSampler):
-            _account_draws(self.accountant, made[1], sampler, self._step_taken)
+            account_draws(self.accountant, made[1], sampler, self._step_taken)
         else:
-            _count_steps(made[1], self._step_taken)
+            count_steps(made[1], self._step_taken)
         self.distributed_api = detect_api(made[0]).record.name
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
@@ -439,7 +402,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         found = detect_api(module)
         record = found.record
         device = _first_device(getattr(module, "_module", module))
-        handoff = self._one_backward_handoff(module, found, opts)
+        handoff = plan_handoff(module, found, opts)
         keep = False
         if record.capabilities.keep_unsharded and opts.sync_optimization:
             keep = decide_keep_unsharded(
@@ -472,7 +435,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if getattr(module, "_tied", None):
             module.tied_timer = self._context.timer
         if opts.fast_norms and hasattr(module, "use_fast_norms"):
-            policy = self._per_sample_policy(opts, device) if handoff is not None else None
+            policy = per_sample_policy(opts, device) if handoff is not None else None
             tuner = make_norm_tuner(
                 option=opts.tune_norms,
                 cache_path=opts.tune_norms_cache,
@@ -489,66 +452,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if timing and hasattr(module, "time_norms"):
             module.time_norms(self._context.timer)
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
-
-    @staticmethod
-    def _per_sample_policy(opts: GhostOptions, device: torch.device):
-        """The per-sample gradient policy of the one-backward step, or None; logs it."""
-        from .layers.linear_policy import PerSampleGradPolicy
-        from .options import default_budget
-
-        if opts.per_sample_grads is False:
-            logger.info("[Ghost] per-sample gradients: off (ghost norms for every layer)")
-            return None
-        budget = opts.per_sample_grads_budget_bytes
-        budget = default_budget(device) // 2 if budget is None else budget
-        logger.info(
-            "[Ghost] per-sample gradients of sequence Linear layers (%s), up to %.1f MiB per step",
-            "where cheaper than ghost norms" if opts.per_sample_grads == "auto" else "all",
-            budget / 2**20,
-        )
-        return PerSampleGradPolicy(
-            budget,
-            only_when_cheaper=opts.per_sample_grads == "auto",
-            gram_block=opts.gram_block,
-        )
-
-    def _one_backward_handoff(self, module, found: Detected, opts):
-        """The one-backward hand-off for this model, or None (two passes); logs which and why.
-
-        Every API's record has one; a hooked layer without a direct gradient formula where the
-        record cannot replay it generically (sharded parameters), and DDP settings the
-        hand-off does not emulate, take the two-pass step.
-        """
-        from .one_backward import OneBackwardUnavailable, unsupported_layers
-
-        if not (opts.one_backward and opts.restricted_first_pass):
-            why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
-            logger.info("[Ghost] step: two backward passes (%s)", why)
-            return None
-        if not getattr(module, "batch_first", True):
-            logger.info("[Ghost] step: two backward passes (batch_first=False)")
-            return None
-        record = found.record
-        try:
-            handoff = record.make_handoff(found.modules)
-        except OneBackwardUnavailable as err:
-            logger.info("[Ghost] step: two backward passes (%s)", err)
-            return None
-        type_of = getattr(module, "_get_module_type", type)
-        missing = unsupported_layers(
-            list(module.iterate_submodules(module._module)),
-            type_of,
-            generic_replay=record.capabilities.generic_replay,
-        )
-        if missing:
-            logger.info(
-                "[Ghost] step: two backward passes (no direct gradient formula for %s under %s)",
-                ", ".join(missing),
-                record.name,
-            )
-            return None
-        logger.info("[Ghost] step: one backward (clipped weight gradients from the first pass)")
-        return handoff
 
     @property
     def one_backward(self) -> bool:

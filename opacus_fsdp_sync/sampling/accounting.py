@@ -1,0 +1,54 @@
+"""Who counts a private step: the accountant counts each Poisson draw as it is handed out.
+
+Opacus's accountant counts optimizer steps (its hook on the DP optimizer): a draw consumed
+without a step was never counted, and with a sampler that advanced by steps it could be drawn
+again. Under the shared sampler (:mod:`.poisson`) each draw is handed out once and counted then;
+the engine's step counter follows the optimizer either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .poisson import SharedPoissonSampler
+
+logger = logging.getLogger("opacus_fsdp_sync")
+
+
+def account_draws(accountant, optimizer, sampler: SharedPoissonSampler, on_step) -> None:
+    """The accountant counts every draw ``sampler`` hands out, when it hands it out.
+
+    Opacus counts optimizer steps: a draw consumed without a step (skipped after an error, or
+    accumulated by hand) was never counted. Here each draw counts once, step or not, and an
+    optimizer step on a draw that already had one (the same examples released twice) counts
+    once more, with a warning. ``on_step`` is called on every step taken.
+    """
+    q = sampler.sample_rate
+
+    def on_draw(_count: int) -> None:
+        accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=q)
+
+    def step_hook(opt) -> None:
+        on_step()
+        if not sampler.step_taken():
+            logger.warning(
+                "[Ghost] a second optimizer step on the same Poisson draw: its examples are "
+                "released twice, so the accountant counts one more step. Draw a new batch "
+                "(next(iter(loader))) for every step."
+            )
+            accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=q)
+
+    sampler.on_draw = on_draw
+    optimizer.step_hook = step_hook
+
+
+def count_steps(optimizer, on_step) -> None:
+    """Calls ``on_step`` after the step hook Opacus attached (its accountant's)."""
+    account = optimizer.step_hook
+
+    def step_hook(opt) -> None:
+        if account is not None:
+            account(opt)
+        on_step()
+
+    optimizer.step_hook = step_hook
