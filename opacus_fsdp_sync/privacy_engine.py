@@ -22,6 +22,7 @@ from .distributed.layout import check_layout, check_parallelism, world_size
 from .distributed.registry import detect_api
 from .empty_batch import EmptyBatchStandIn
 from .hooks import ghost_class
+from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
 from .one_backward.plan import per_sample_policy, plan_handoff
@@ -401,7 +402,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         timing = timing_enabled_from_env() if opts.timing is None else opts.timing
         found = detect_api(module)
         record = found.record
-        device = _first_device(getattr(module, "_module", module))
+        device = _first_device(_unwrap(module))
         handoff = plan_handoff(module, found, opts)
         keep = False
         if record.capabilities.keep_unsharded and opts.sync_optimization:
@@ -432,9 +433,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
             handoff=handoff,
             optimizer_ops=optimizer_ops(optimizer),
         )
-        if getattr(module, "_tied", None):
-            module.tied_timer = self._context.timer
-        if opts.fast_norms and hasattr(module, "use_fast_norms"):
+        hooks = step_hooks(module)
+        hooks.use_timer(self._context.timer, norms=timing)
+        if opts.fast_norms:
             policy = per_sample_policy(opts, device) if handoff is not None else None
             tuner = make_norm_tuner(
                 option=opts.tune_norms,
@@ -444,13 +445,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 distributed=record.capabilities.distributed,
                 timer=self._context.timer,
             )
-            module.use_fast_norms(policy, gram_block=opts.gram_block, tuner=tuner)
-            logger.info(
-                "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
-                describe_block(opts.gram_block, device),
-            )
-        if timing and hasattr(module, "time_norms"):
-            module.time_norms(self._context.timer)
+            if hooks.configure_norms(policy=policy, gram_block=opts.gram_block, tuner=tuner):
+                logger.info(
+                    "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
+                    describe_block(opts.gram_block, device),
+                )
         return SyncDPLoss(module, optimizer, criterion, loss_reduction, context=self._context)
 
     @property

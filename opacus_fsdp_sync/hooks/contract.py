@@ -25,7 +25,19 @@ Kept = list[tuple[nn.Module, object, object]]
 
 
 class StepHooks(Protocol):
-    """The calls the step makes on the hooks, in the order it makes them."""
+    """The calls the engine (setup) and the step make on the hooks, in the order they make them."""
+
+    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+        """Linear norms from shared input Gram matrices, per-sample gradients by ``policy``.
+
+        Returns:
+            Whether these hooks compute them (False: Opacus's own norm kernels run).
+        """
+        ...
+
+    def use_timer(self, timer, *, norms: bool) -> None:
+        """Times the shared-weight cross terms in ``timer`` (each layer's norms too if ``norms``)."""
+        ...
 
     def begin_step(self) -> list[torch.Tensor]:
         """Forgets the last step's norms; returns this step's first-pass sources (may be empty)."""
@@ -100,6 +112,13 @@ class OpacusStepHooks:
 
     def __init__(self, hooks) -> None:
         self.hooks = hooks
+
+    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+        """Nothing: Opacus's classes compute their own norms."""
+        return False
+
+    def use_timer(self, timer, *, norms: bool) -> None:
+        """Nothing to time beyond the step's phases."""
 
     def begin_step(self) -> list[torch.Tensor]:
         """No sources: Opacus's classes do not record them."""

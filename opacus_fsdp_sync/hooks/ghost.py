@@ -63,6 +63,17 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         #: Set by :meth:`use_fast_norms`: the measured norm plan (``tune_norms``), or None.
         self.norm_tuner = None
 
+    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+        """:meth:`use_fast_norms` (the :class:`~.contract.StepHooks` setup call); True."""
+        self.use_fast_norms(policy, gram_block=gram_block, tuner=tuner)
+        return True
+
+    def use_timer(self, timer, *, norms: bool) -> None:
+        """The shared-weight cross terms' ``tied_norm`` phase, and ``norms`` if asked."""
+        self.tied_timer = timer
+        if norms:
+            self.time_norms(timer)
+
     def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0, tuner=None) -> None:
         """Linear norms from shared input Gram matrices (see :mod:`..layers.linear`).
 

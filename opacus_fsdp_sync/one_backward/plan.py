@@ -46,13 +46,14 @@ def plan_handoff(module, found: Detected, opts: GhostOptions):
     record cannot replay it generically (sharded parameters), and DDP settings the
     hand-off does not emulate, take the two-pass step.
     """
+    from ..hooks.ghost import step_hooks
     from .step import OneBackwardUnavailable, unsupported_layers
 
     if not (opts.one_backward and opts.restricted_first_pass):
         why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"
         logger.info("[Ghost] step: two backward passes (%s)", why)
         return None
-    if not getattr(module, "batch_first", True):
+    if not module.batch_first:
         logger.info("[Ghost] step: two backward passes (batch_first=False)")
         return None
     record = found.record
@@ -61,7 +62,7 @@ def plan_handoff(module, found: Detected, opts: GhostOptions):
     except OneBackwardUnavailable as err:
         logger.info("[Ghost] step: two backward passes (%s)", err)
         return None
-    type_of = getattr(module, "_get_module_type", type)
+    type_of = step_hooks(module).layer_type
     missing = unsupported_layers(
         list(module.iterate_submodules(module._module)),
         type_of,
