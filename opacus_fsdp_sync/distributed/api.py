@@ -94,6 +94,8 @@ class Capabilities:
 
     distributed: bool
     """Gradients are reduced over ranks (the expected batch and the noise are per world)."""
+    sharded: bool = False
+    """Each rank holds a shard of the gradients (FSDP1, FSDP2), not the full ones."""
     keep_unsharded: bool = False
     """Parameters can stay unsharded between the passes (FSDP2)."""
     generic_replay: bool = False

@@ -200,7 +200,7 @@ def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
 RECORD = ApiRecord(
     name=FSDP1,
     title="FSDP1",
-    capabilities=Capabilities(distributed=True),
+    capabilities=Capabilities(distributed=True, sharded=True),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,

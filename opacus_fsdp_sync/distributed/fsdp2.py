@@ -281,7 +281,7 @@ def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
 RECORD = ApiRecord(
     name=FSDP2,
     title="FSDP2",
-    capabilities=Capabilities(distributed=True, keep_unsharded=True),
+    capabilities=Capabilities(distributed=True, sharded=True, keep_unsharded=True),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,

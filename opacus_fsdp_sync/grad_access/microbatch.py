@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import _fsdp1_internals as fsdp1
 from ..distributed import _fsdp2_internals as internals
-from ..distributed.detect import DDP, FSDP1, FSDP2, _unwrap, get_fsdp_root_module
+from ..distributed.api import DDP, FSDP1, FSDP2, ApiRecord
+from ..distributed.detect import _unwrap
+from ..distributed.registry import detect_api
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +43,21 @@ class GradLayout:
     """A model as gradient access sees it.
 
     Attributes:
-        api: ``"fsdp2"``, ``"fsdp1"``, ``"ddp"`` or None (single device).
+        record: The distributed API's record (:mod:`opacus_fsdp_sync.distributed.api`).
         model: The user's model (Opacus and DDP wrappers removed).
         roots: The outermost FSDP modules, or the DDP module (empty for a single device).
         params: Registered parameters by clean name (for FSDP: the sharded ones at rest).
     """
 
-    api: str | None
+    record: ApiRecord
     model: nn.Module
     roots: list[nn.Module]
     params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    @property
+    def api(self) -> str | None:
+        """The record's name: ``"fsdp2"``, ``"fsdp1"``, ``"ddp"`` or None (single device)."""
+        return self.record.name
 
     def module_names(self) -> dict[int, str]:
         """Clean name of every module, by ``id``."""
@@ -69,14 +77,14 @@ def resolve(model: nn.Module) -> GradLayout:
     Raises:
         TypeError: when ``model`` is not a module.
     """
-    roots, api = get_fsdp_root_module(model)
+    found = detect_api(model)
     user = _unwrap(model)
-    if api == DDP:
+    if isinstance(user, DistributedDataParallel):
         user = user.module
     params: dict[str, nn.Parameter] = {}
     for name, param in user.named_parameters():
         params.setdefault(clean_name(name), param)
-    return GradLayout(api=api, model=user, roots=list(roots), params=params)
+    return GradLayout(record=found.record, model=user, roots=list(found.modules), params=params)
 
 
 def _fsdp2_slots(layout: GradLayout) -> dict[str, object]:
@@ -103,6 +111,37 @@ def _fsdp1_owned(layout: GradLayout) -> dict[int, object]:
     }
 
 
+def _fsdp2_unsynced(layout: GradLayout, out: dict) -> set[str]:
+    """FSDP2: the unsharded gradient kept on each ``FSDPParam``; returns the managed names."""
+    managed = set()
+    for name, fsdp_param in _fsdp2_slots(layout).items():
+        managed.add(name)
+        grad = internals.unsynced_grad(fsdp_param)
+        if grad is not None:
+            out[name] = grad
+    return managed
+
+
+def _fsdp1_unsynced(layout: GradLayout, out: dict) -> set[str]:
+    """FSDP1: views into each handle's unsharded flat gradient; returns the managed names."""
+    managed = set()
+    owned = _fsdp1_owned(layout)
+    for name, param in layout.params.items():
+        handle = owned.get(id(param))
+        if handle is None:
+            continue
+        managed.add(name)
+        flat_grad = handle.flat_param.grad
+        if flat_grad is not None and flat_grad.numel() == fsdp1.unsharded_numel(handle):
+            if param.grad is not None:
+                out[name] = param.grad
+    return managed
+
+
+#: Where each API keeps unsynchronised gradients other than ``param.grad``.
+_UNSYNCED = {FSDP2: _fsdp2_unsynced, FSDP1: _fsdp1_unsynced}
+
+
 def unsynced_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's unsynchronised (unsharded, accumulated) gradient of each parameter.
 
@@ -120,28 +159,36 @@ def unsynced_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     layout = resolve(model)
     out: dict[str, torch.Tensor] = {}
-    managed: set[str] = set()
-    if layout.api == FSDP2:
-        for name, fsdp_param in _fsdp2_slots(layout).items():
-            managed.add(name)
-            grad = internals.unsynced_grad(fsdp_param)
-            if grad is not None:
-                out[name] = grad
-    elif layout.api == FSDP1:
-        owned = _fsdp1_owned(layout)
-        for name, param in layout.params.items():
-            handle = owned.get(id(param))
-            if handle is None:
-                continue
-            managed.add(name)
-            flat_grad = handle.flat_param.grad
-            if flat_grad is not None and flat_grad.numel() == fsdp1.unsharded_numel(handle):
-                if param.grad is not None:
-                    out[name] = param.grad
+    read = _UNSYNCED.get(layout.api)
+    managed = read(layout, out) if read is not None else set()
     for name, param in layout.params.items():
         if name not in managed and param.grad is not None:
             out[name] = param.grad
     return out
+
+
+def _fsdp2_no_sync(layout: GradLayout, stack: contextlib.ExitStack) -> None:
+    """FSDP2: sync off on every module; each group's own flags restored on exit."""
+    groups = list(internals.iter_param_groups(layout.roots))
+    saved = [(g, internals.get_sync_flags(g)) for g in groups]
+
+    def restore() -> None:
+        for group, flags in saved:
+            internals.set_sync_flags(group, flags)
+
+    stack.callback(restore)
+    for root in layout.roots:
+        root.set_requires_gradient_sync(False, recurse=True)
+
+
+def _roots_no_sync(layout: GradLayout, stack: contextlib.ExitStack) -> None:
+    """FSDP1 and DDP: each root's own ``no_sync()``; one device has no root."""
+    for root in layout.roots:
+        stack.enter_context(root.no_sync())
+
+
+#: How each API turns gradient sync off (others: :func:`_roots_no_sync`).
+_NO_SYNC = {FSDP2: _fsdp2_no_sync}
 
 
 @contextlib.contextmanager
@@ -157,20 +204,7 @@ def sync_disabled(model: nn.Module) -> Iterator[None]:
     """
     layout = resolve(model)
     with contextlib.ExitStack() as stack:
-        if layout.api == FSDP2:
-            groups = list(internals.iter_param_groups(layout.roots))
-            saved = [(g, internals.get_sync_flags(g)) for g in groups]
-
-            def restore() -> None:
-                for group, flags in saved:
-                    internals.set_sync_flags(group, flags)
-
-            stack.callback(restore)
-            for root in layout.roots:
-                root.set_requires_gradient_sync(False, recurse=True)
-        elif layout.api in (FSDP1, DDP):
-            for root in layout.roots:
-                stack.enter_context(root.no_sync())
+        _NO_SYNC.get(layout.api, _roots_no_sync)(layout, stack)
         yield
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed.detect import DDP, FSDP1, FSDP2
+from ..distributed.api import FSDP1, FSDP2
+from ..distributed.registry import record_for
 from .microbatch import GradLayout, resolve
 
 logger = logging.getLogger(__name__)
@@ -95,16 +96,11 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         model: See :func:`~opacus_fsdp_sync.grad_access.microbatch.resolve`.
     """
     layout = resolve(model)
-    if layout.api == FSDP1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    return _FULL.get(layout.api, _full_from_grads)(layout)
 
-        out: dict[str, torch.Tensor] = {}
-        for root in layout.roots:
-            with FSDP.summon_full_params(root, writeback=False, with_grads=True):
-                for name, param in layout.params.items():
-                    if param.grad is not None and name not in out:
-                        out[name] = param.grad.detach().clone()
-        return out
+
+def _full_from_grads(layout: GradLayout) -> dict[str, torch.Tensor]:
+    """FSDP2: ``full_tensor()`` of each DTensor gradient; DDP and one device: ``param.grad``."""
     return {
         n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         for n, p in layout.params.items()
@@ -112,30 +108,56 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _fsdp1_full(layout: GradLayout) -> dict[str, torch.Tensor]:
+    """FSDP1: copies taken under ``summon_full_params(with_grads=True)``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: dict[str, torch.Tensor] = {}
+    for root in layout.roots:
+        with FSDP.summon_full_params(root, writeback=False, with_grads=True):
+            for name, param in layout.params.items():
+                if param.grad is not None and name not in out:
+                    out[name] = param.grad.detach().clone()
+    return out
+
+
+#: How each API gathers full gradients (others: :func:`_full_from_grads`).
+_FULL = {FSDP1: _fsdp1_full}
+
+
 def _replication(layout: GradLayout) -> dict[str, int]:
     """How many ranks hold each parameter's local gradient shard (1 when fully sharded).
 
     Parameters FSDP does not manage count as replicated on every rank.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if layout.api not in (FSDP1, FSDP2):  # full gradients, not all-reduced
+    if not layout.record.capabilities.sharded:  # full gradients, not all-reduced
         return dict.fromkeys(layout.params, 1)
-    if layout.api == FSDP1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
+    return _REPLICATION[layout.api](layout)
 
-        owner: dict[int, nn.Module] = {}
-        for state in FSDP.fsdp_modules(layout.model):  # pre-order: inner instances win
-            for param in state.parameters():
-                owner[id(param)] = state
-        out = {}
-        for name, param in layout.params.items():
-            state = owner.get(id(param))
-            if state is None or state.sharding_strategy == ShardingStrategy.NO_SHARD:
-                out[name] = world
-            else:
-                out[name] = world // state.process_group.size()
-        return out
+
+def _fsdp1_replication(layout: GradLayout) -> dict[str, int]:
+    """FSDP1: every rank for a NO_SHARD unit, the rank count over the unit's group otherwise."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    owner: dict[int, nn.Module] = {}
+    for state in FSDP.fsdp_modules(layout.model):  # pre-order: inner instances win
+        for param in state.parameters():
+            owner[id(param)] = state
+    out = {}
+    for name, param in layout.params.items():
+        state = owner.get(id(param))
+        if state is None or state.sharding_strategy == ShardingStrategy.NO_SHARD:
+            out[name] = world
+        else:
+            out[name] = world // state.process_group.size()
+    return out
+
+
+def _fsdp2_replication(layout: GradLayout) -> dict[str, int]:
+    """FSDP2: the ranks over the DTensor's replicated mesh dimensions (HSDP replicas)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     out = {}
     for name, param in layout.params.items():
         if isinstance(param, DTensor):
@@ -145,6 +167,14 @@ def _replication(layout: GradLayout) -> dict[str, int]:
         else:
             out[name] = world
     return out
+
+
+#: How many ranks hold each local gradient shard, for the sharded APIs.
+_REPLICATION = {FSDP1: _fsdp1_replication, FSDP2: _fsdp2_replication}
+
+
+def _sharded(api: str | None) -> bool:
+    return record_for(api).capabilities.sharded
 
 
 @dataclass(kw_only=True)
@@ -194,7 +224,7 @@ def layer_grad_norms(model: nn.Module, prefixes: str | Iterable[str] | None = No
     sums.append(sum(squares.values(), zero))
     stacked = torch.stack([s.to(device) for s in sums])
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if layout.api in (FSDP1, FSDP2) and world > 1:
+    if layout.record.capabilities.sharded and world > 1:
         dist.all_reduce(stacked)
     values = stacked.sqrt().tolist()
     return GradNorms(per_layer=dict(zip(groups, values[:-1])), total=values[-1])
@@ -273,7 +303,8 @@ def save_grads(model: nn.Module, prefixes: str | Iterable[str] | None = None) ->
 
 def _target(layout: GradLayout, snapshot: GradSnapshot) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """Pairs each snapshot entry with its parameter, after checking name, API and shape."""
-    if layout.api != snapshot.api and {layout.api, snapshot.api} != {DDP, None}:
+    full_both = not (_sharded(layout.api) or _sharded(snapshot.api))  # DDP and one device
+    if layout.api != snapshot.api and not full_both:
         raise ValueError(
             f"The snapshot was taken under {snapshot.api or 'one device'}, the model runs under "
             f"{layout.api or 'one device'}: local shards differ; take a new snapshot."

@@ -36,7 +36,7 @@ class StepHooks(Protocol):
         ...
 
     def use_timer(self, timer, *, norms: bool) -> None:
-        """Times the shared-weight cross terms in ``timer`` (each layer's norms too if ``norms``)."""
+        """Times the shared-weight cross terms in ``timer`` (the norms too if ``norms``)."""
         ...
 
     def begin_step(self) -> list[torch.Tensor]:

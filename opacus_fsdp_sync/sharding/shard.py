@@ -69,12 +69,7 @@ def shard_model(
         )
     if config.activation_checkpointing:
         _apply_activation_checkpointing(model, config)
-    needs_mesh = config.backend == "fsdp2" or config.strategy == "hybrid_full"
-    mesh = build_mesh(config, device.type) if needs_mesh else None
-    if config.backend == "fsdp1":
-        sharded = shard_fsdp1(model, config, device, mesh)
-    else:
-        sharded = shard_fsdp2(model, config, mesh)
+    sharded = _SHARDERS[config.backend](model, config, device)
     logger.info(
         "[Ghost] sharded %s: backend=%s strategy=%s wrap=%s%s",
         type(model).__name__,
@@ -84,3 +79,18 @@ def shard_model(
         f", shared weights kept in one unit: {len(shared)}" if shared else "",
     )
     return sharded
+
+
+def _fsdp1(model: nn.Module, config: ShardingConfig, device: torch.device) -> nn.Module:
+    """FSDP1; a device mesh only for HYBRID_SHARD."""
+    mesh = build_mesh(config, device.type) if config.strategy == "hybrid_full" else None
+    return shard_fsdp1(model, config, device, mesh)
+
+
+def _fsdp2(model: nn.Module, config: ShardingConfig, device: torch.device) -> nn.Module:
+    """FSDP2 on the strategy's mesh (1-D, or 2-D for HSDP)."""
+    return shard_fsdp2(model, config, build_mesh(config, device.type))
+
+
+#: The sharding function of each ``ShardingConfig.backend``.
+_SHARDERS = {"fsdp1": _fsdp1, "fsdp2": _fsdp2}
