@@ -135,3 +135,53 @@ class DPRandomness:
         """A generator on ``device`` seeded with :meth:`shared_seed`."""
         seed = self.shared_seed(purpose, distributed=distributed, device=device)
         return torch.Generator(device=device).manual_seed(seed)
+
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct coordinates give distinct seeds
+
+
+def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]):
+    """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate.
+
+    Rank 0's seed is drawn from ``generator`` (the engine's, see :class:`DPRandomness`), or from
+    OS entropy when it is None, never from torch's global generator. Collective.
+    """
+    if generator is None:
+        seed = os_seed()
+    else:
+        seed = int(
+            torch.randint(
+                0, 2**62, (1,), generator=generator, dtype=torch.int64, device=generator.device
+            ).item()
+        )
+    base = broadcast_seed(seed, device)
+    mixed = (base ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+def shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` whose state is rank 0's (``generator``'s, or an OS seed).
+
+    Collective: every rank must call it (the state is broadcast).
+    """
+    shared = torch.Generator(device=device)
+    if dist.get_rank() == 0:
+        if generator is not None and generator.device == device:
+            shared.set_state(generator.get_state())
+        else:
+            seed = (
+                int(
+                    torch.randint(
+                        0, 2**62, (1,), generator=generator, device=generator.device
+                    ).item()
+                )
+                if generator is not None
+                else os_seed()  # never torch's global generator
+            )
+            shared.manual_seed(seed)
+    state = shared.get_state()
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = state.to(comm_device)
+    dist.broadcast(buf, src=0)
+    shared.set_state(buf.cpu())
+    return shared

@@ -110,8 +110,7 @@ def test_prefetch_layout_refreshes_after_a_dtype_change():
 
 def test_prefetched_views_are_recorded_once_per_flat_buffer():
     """The CUDA prefetch records its stream once per drawn buffer, not once per view."""
-    from opacus_fsdp_sync.optimizers.noise_prefetch import one_per_storage
-    from opacus_fsdp_sync.optimizers.noised_step import draw_flat_noise
+    from opacus_fsdp_sync.optimizers.noise_prefetch import draw_flat_noise, one_per_storage
 
     shapes = [torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 2]), torch.Size([7])]
     dtypes = [torch.float32, torch.float32, torch.float64, torch.float32]

@@ -330,7 +330,7 @@ def stale_layout_recovers(rank: int, world: int) -> list[list[str]]:
     The prefetched draw of the step after the change has the old layout and is redrawn; from
     then on one draw per step again (the cached layout was refreshed).
     """
-    from opacus_fsdp_sync.optimizers import noised_step
+    from opacus_fsdp_sync.optimizers import noise_prefetch
     from opacus_fsdp_sync.optimizers.fsdp2 import ShardedNoiseFSDPOptimizer
 
     torch.manual_seed(0)
@@ -341,13 +341,13 @@ def stale_layout_recovers(rank: int, world: int) -> list[list[str]]:
         max_grad_norm=1.0,
         expected_batch_size=4,
     )
-    orig, drawn = noised_step.draw_flat_noise, []
+    orig, drawn = noise_prefetch.draw_flat_noise, []  # the draw's one home
 
     def logging_draw(layout, std, generator):
         drawn.append(str(layout[0][1]))
         return orig(layout, std, generator)
 
-    noised_step.draw_flat_noise = logging_draw
+    noise_prefetch.draw_flat_noise = logging_draw
     per_step = []
     try:
         for step in range(4):
@@ -361,5 +361,5 @@ def stale_layout_recovers(rank: int, world: int) -> list[list[str]]:
             opt.zero_grad()
             per_step.append(drawn[start:])
     finally:
-        noised_step.draw_flat_noise = orig
+        noise_prefetch.draw_flat_noise = orig
     return per_step

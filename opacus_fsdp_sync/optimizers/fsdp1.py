@@ -14,7 +14,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
 
-from .fsdp2 import shard_generator
+from ..randomness import shard_generator
 from .noised_step import FlatNoiseStep, add_to_sum
 
 

@@ -19,10 +19,8 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.distributed.tensor import DTensor
 
 from ..distributed._fsdp2_internals import swap_local
-from ..randomness import broadcast_seed, os_seed
+from ..randomness import shard_generator
 from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
-
-_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct ranks give distinct seeds
 
 
 def shard_coordinate(params) -> tuple[int, ...]:
@@ -36,25 +34,6 @@ def shard_coordinate(params) -> tuple[int, ...]:
             coord = p.device_mesh.get_coordinate() or ()
             return tuple(c for c, pl in zip(coord, p.placements) if not pl.is_replicate())
     return (dist.get_rank(),)
-
-
-def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]):
-    """A generator on ``device``: rank 0's seed (broadcast) mixed with the shard coordinate.
-
-    Rank 0's seed is drawn from ``generator`` (the engine's, see :mod:`...randomness`), or from
-    OS entropy when it is None, never from torch's global generator. Collective.
-    """
-    if generator is None:
-        seed = os_seed()
-    else:
-        seed = int(
-            torch.randint(
-                0, 2**62, (1,), generator=generator, dtype=torch.int64, device=generator.device
-            ).item()
-        )
-    base = broadcast_seed(seed, device)
-    mixed = (base ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
-    return torch.Generator(device=device).manual_seed(mixed)
 
 
 class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .noise_prefetch import NoisePrefetch, draw_flat_noise, noise_layout
+from . import noise_prefetch as draws
+from .noise_prefetch import NoisePrefetch, noise_layout
 
 
 def noise_plan(
@@ -196,6 +197,6 @@ class FlatNoiseStep(ScaledWithNoise):
         if drawn is None or prefetched.layout != layout:
             if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
                 self._layout_key = None
-            drawn = draw_flat_noise(layout, std, self.generator)
+            drawn = draws.draw_flat_noise(layout, std, self.generator)
         add_scaled_into(drawn, grads, factor)
         return drawn

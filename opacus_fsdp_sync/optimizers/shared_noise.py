@@ -16,7 +16,7 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 from opacus.optimizers.optimizer_fast_gradient_clipping import DPOptimizerFastGradientClipping
 
-from ..randomness import os_seed
+from ..randomness import shared_generator
 from .noised_step import ScaledWithNoise, add_scaled_into, add_to_sum, optimizer_noise_plan
 
 
@@ -67,7 +67,7 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         )
         self.world_size = dist.get_world_size()
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.generator = _shared_generator(generator, device)
+        self.generator = shared_generator(generator, device)
 
     def reseed_noise(self) -> None:
         """A fresh shared stream from OS entropy on rank 0 (collective); drops noise drawn ahead."""
@@ -75,7 +75,7 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         if pending is not None:
             pending[1].result()
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.generator = _shared_generator(None, device)
+        self.generator = shared_generator(None, device)
 
     def _draw(self, std: float) -> list[torch.Tensor]:
         """One noise tensor per parameter, in parameter order (Opacus's own draw, at ``std``)."""
@@ -139,28 +139,3 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
         for p, g in zip(self.params, noises):
             p.grad = g.view_as(p)
             p.summed_grad = None  # not kept alive through the inner step
-
-
-def _shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
-    """A generator on ``device`` whose state is rank 0's (``generator``'s, or a fresh seed)."""
-    shared = torch.Generator(device=device)
-    if dist.get_rank() == 0:
-        if generator is not None and generator.device == device:
-            shared.set_state(generator.get_state())
-        else:
-            seed = (
-                int(
-                    torch.randint(
-                        0, 2**62, (1,), generator=generator, device=generator.device
-                    ).item()
-                )
-                if generator is not None
-                else os_seed()  # never torch's global generator
-            )
-            shared.manual_seed(seed)
-    state = shared.get_state()
-    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    buf = state.to(comm_device)
-    dist.broadcast(buf, src=0)
-    shared.set_state(buf.cpu())
-    return shared
