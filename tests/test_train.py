@@ -207,3 +207,16 @@ def test_local_hugging_face_model_and_tokenizer_with_chat_records(tmp_path):
     assert summary["steps"] == 4 and rows[0]["heldout_loss"] > 0
     assert summary["records"] == 200 and summary["record_kind"] == "messages+text"
     assert (tmp_path / "out" / "model" / "tokenizer.json").is_file()  # exported with the model
+
+
+def test_committed_run_file_trains_and_exports(tmp_path):
+    """``examples/train_tiny_instruct.toml`` as shipped, with ``--out`` overridden."""
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_instruct.toml"
+    summary, rows, stdout = _train(tmp_path, "--config", str(run), "--max-steps", "2", nproc=1)
+    assert summary["steps"] == 2 and summary["record_kind"] == "prompt/completion"
+    assert summary["config"]["target_epsilon"] == 8.0 and summary["epsilon"] <= 8.0 + 1e-6
+    assert rows[-1]["heldout_loss"] > 0
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "model" / "privacy.json").is_file()

@@ -63,3 +63,65 @@ def test_out_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsy
     assert parse_args(["--out", str(tmp_path), "--resume"]).resume
     assert parse_args(["--out", str(tmp_path), "--overwrite"]).overwrite
     assert parse_args(["--out", str(tmp_path / "new")]).out == str(tmp_path / "new")
+
+
+def test_run_file_maps_onto_fields_and_flags_override_it(tmp_path, capsys, monkeypatch):
+    from opacus_fsdp_sync.train.config import parse_args
+
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    run = tmp_path / "run.toml"
+    run.write_text('data = "d.jsonl"\nlr = 1\nlora = true\nmax_steps = 7\nout = "o"\n')
+    cfg = parse_args(["--config", str(run), "--max-steps", "3", "--no-lora"])
+    assert cfg.data == str(tmp_path / "d.jsonl")  # read against the run file's directory
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.out == "o"
+    assert cfg.max_steps == 3 and cfg.lora is False  # the command line wins
+    assert parse_args(["--config", str(run)]).lora is True
+    run.write_text('max_step = 3\nlr = "fast"\n')
+    err = _refused(capsys, monkeypatch, ["--config", str(run)])
+    assert "unknown key(s) 'max_step'" in err and "known fields are model, model_path" in err
+    run.write_text('lr = "fast"\n')
+    assert "lr = 'fast' is a str; the field takes a float" in _refused(
+        capsys, monkeypatch, ["--config", str(run)]
+    )
+    run.write_text("epochs = 0.0\n")
+    assert "epochs > 0 required" in _refused(capsys, monkeypatch, ["--config", str(run)])
+    assert "no such file" in _refused(capsys, monkeypatch, ["--config", str(tmp_path / "no")])
+    run.write_text("lr = = 1\n")
+    assert "run.toml" in _refused(capsys, monkeypatch, ["--config", str(run)])
+
+
+def test_yaml_run_file_when_pyyaml_is_installed(tmp_path):
+    pytest.importorskip("yaml")
+    from opacus_fsdp_sync.train.config import parse_args
+
+    run = tmp_path / "run.yaml"
+    run.write_text("batch_size: 4\ndp_seed: null\ntarget_epsilon: 3\n")
+    cfg = parse_args(["--config", str(run)])
+    assert (cfg.batch_size, cfg.dp_seed, cfg.target_epsilon) == (4, None, 3.0)
+
+
+def test_committed_tiny_instruct_run_file_is_complete():
+    from pathlib import Path
+
+    from opacus_fsdp_sync.train.config import parse_args
+    from opacus_fsdp_sync.train.data import load_records
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = parse_args(["--config", str(root / "examples" / "train_tiny_instruct.toml")])
+    records = load_records(cfg.data)
+    assert len(records) >= 40 and all({"prompt", "completion"} <= set(r) for r in records)
+    assert cfg.model == "tiny" and cfg.max_steps is not None and cfg.max_steps <= 5
+
+
+def test_docs_llama_run_file_names_only_fields(tmp_path):
+    import re
+    from pathlib import Path
+
+    from opacus_fsdp_sync.train.run_file import load_run_file
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    (tmp_path / "llama1b.toml").write_text(block)
+    values = load_run_file(str(tmp_path / "llama1b.toml"), TrainConfig)
+    assert values["model_path"] == "/path/to/Llama-3.2-1B" and values["lora"] is True
+    assert values["target_epsilon"] == 8.0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..models.llama import PRESETS, TASKS
 from .privacy import PRIVACY_NOTE
+from .run_file import load_run_file
 
 #: The allowed values of the fields that take one of a few (checked, and shown by ``--help``).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -192,14 +193,21 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Maps CLI flags one-to-one onto :class:`TrainConfig` fields.
 
-    A value that :class:`TrainConfig` refuses ends the process like a bad flag does: one line
-    (from rank 0), exit status 2.
+    ``--config FILE`` first takes the fields a run file sets (:mod:`.run_file`); the flags given
+    on the command line override them. A value that :class:`TrainConfig` refuses, or a run file
+    it cannot read, ends the process like a bad flag does: one line (from rank 0), exit status 2.
     """
     parser = _Parser(
         prog="opacus-fsdp-sync-train",
         description="DP fine-tuning under FSDP2, FSDP1 or DDP.",
         epilog=PRIVACY_NOTE,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="A run file (.toml; .yaml with PyYAML) of TrainConfig fields; flags override it.",
     )
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
@@ -216,7 +224,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=doc
         )
     try:
-        cfg = TrainConfig(**vars(parser.parse_args(argv)))
+        run_file = parser.parse_known_args(argv)[0].config
+        if run_file is not None:
+            parser.set_defaults(**load_run_file(run_file, TrainConfig))
+        values = vars(parser.parse_args(argv))
+        values.pop("config")
+        cfg = TrainConfig(**values)
         check_out(cfg)
         return cfg
     except ValueError as err:
