@@ -214,8 +214,16 @@ def test_committed_run_file_trains_and_exports(tmp_path):
     from pathlib import Path
 
     run = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_instruct.toml"
-    summary, rows, stdout = _train(tmp_path, "--config", str(run), "--max-steps", "2", nproc=1)
-    assert summary["steps"] == 2 and summary["record_kind"] == "prompt/completion"
+    summary, rows, stdout = _train(
+        tmp_path, "--config", str(run), "--max-steps", "4", "--keep-last", "1", nproc=1
+    )
+    assert summary["steps"] == 4 and summary["record_kind"] == "prompt/completion"
+    # the file checkpoints every 2 steps; --keep-last 1 leaves the newest only
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step000004"]
+    assert (ckpts / "latest").read_text() == "step000004"
+    for step in (2, 4):
+        assert f"[Ghost] checkpoint: saved step {step} to {ckpts}/step{step:06d} (kept 1)" in stdout
     assert summary["config"]["target_epsilon"] == 8.0 and summary["epsilon"] <= 8.0 + 1e-6
     assert rows[-1]["heldout_loss"] > 0
     assert (tmp_path / "model" / "model.safetensors").is_file()

@@ -125,3 +125,24 @@ def test_docs_llama_run_file_names_only_fields(tmp_path):
     values = load_run_file(str(tmp_path / "llama1b.toml"), TrainConfig)
     assert values["model_path"] == "/path/to/Llama-3.2-1B" and values["lora"] is True
     assert values["target_epsilon"] == 8.0
+
+
+def test_keep_last_prunes_older_checkpoints_and_keeps_latest_valid(tmp_path):
+    from opacus_fsdp_sync.train.run_state import prune_checkpoints
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8, 10):
+        (ckpts / f"step{step:06d}").mkdir(parents=True)
+        (ckpts / f"step{step:06d}" / "x").write_text("")
+    (ckpts / "latest").write_text("step000008")  # step 10: left by a run that died
+    assert [p.name for p in prune_checkpoints(ckpts, 0)] == [
+        "step000002", "step000004", "step000006", "step000008",
+    ]  # fmt: skip
+    kept = prune_checkpoints(ckpts, 2)
+    assert [p.name for p in kept] == ["step000006", "step000008"]
+    left = sorted(p.name for p in ckpts.iterdir())
+    assert left == ["latest", "step000006", "step000008", "step000010"]
+    assert (ckpts / (ckpts / "latest").read_text()).is_dir()
+    assert [p.name for p in prune_checkpoints(ckpts, 1)] == ["step000008"]
+    with pytest.raises(ValueError, match="keep_last=-1"):
+        TrainConfig(keep_last=-1)

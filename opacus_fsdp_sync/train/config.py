@@ -104,6 +104,9 @@ class TrainConfig:
     """Held-out loss every N logical steps (and at the end)."""
     checkpoint_every: int = 0
     """DCP checkpoint (with the DP state) every N logical steps; 0: none."""
+    keep_last: int = 0
+    """Keep only the N newest checkpoints (older ones deleted after each successful save; the
+    ``latest`` marker always names a kept one); 0: keep all."""
     save_every: int = 0
     """Also export the model every N logical steps (``out/model-stepNNNNNN``); the final
     export (``out/model``) is always written. 0: only the final one."""
@@ -134,7 +137,7 @@ class TrainConfig:
         for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("save_every", "checkpoint_every"):
+        for name in ("save_every", "checkpoint_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:

@@ -39,7 +39,7 @@ from .privacy import (
     plan_steps,
     privacy_unit,
 )
-from .run_state import load_run_state, save_run_state, truncate_metrics
+from .run_state import load_run_state, prune_checkpoints, save_run_state, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,17 @@ def _save(out: Path, step: int, model, optimizer, engine, rank: int) -> None:
         dist.barrier()
     if rank == 0:
         (out / "checkpoints" / "latest").write_text(name)
+
+
+def _retain(cfg: TrainConfig, out: Path, step: int) -> None:
+    """Rank 0, once the checkpoint of ``step`` is complete: ``--keep-last`` and the log line."""
+    kept = prune_checkpoints(out / "checkpoints", cfg.keep_last)
+    logger.info(
+        "[Ghost] checkpoint: saved step %d to %s (kept %d)",
+        step,
+        out / "checkpoints" / f"step{step:06d}",
+        len(kept),
+    )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -290,6 +301,7 @@ def train(cfg: TrainConfig) -> dict:
                         examples_seen=int(total_seen),
                         wall_s=wall_before + time.perf_counter() - start_time,
                     )
+                    _retain(cfg, out, step)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                 save(out / f"model-step{step:06d}", step)
             if rank == 0 and opt.noise_multiplier > 0:
