@@ -146,3 +146,36 @@ def test_keep_last_prunes_older_checkpoints_and_keeps_latest_valid(tmp_path):
     assert [p.name for p in prune_checkpoints(ckpts, 1)] == ["step000008"]
     with pytest.raises(ValueError, match="keep_last=-1"):
         TrainConfig(keep_last=-1)
+
+
+def test_known_warnings_are_silenced_narrowly_and_explained(monkeypatch, caplog):
+    import logging
+    import warnings
+
+    import opacus
+    import torch
+    from torch import nn
+
+    from opacus_fsdp_sync import known_warnings
+
+    monkeypatch.setattr(known_warnings, "_quieted", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
+            known_warnings.quiet_known_warnings()
+            known_warnings.quiet_known_warnings()  # once
+        opacus.PrivacyEngine()  # the real "Secure RNG turned off"
+        layer = nn.Linear(2, 2)
+        layer.register_full_backward_hook(lambda *args: None)
+        layer(torch.ones(1, 2)).sum().backward()  # the real "Full backward hook is firing"
+        warnings.warn(
+            "FSDP2-wrapped module (FSDPLlamaForCausalLM) returned a view tensor. An in-place op "
+            "on this view (e.g., `x += y`) will silently drop the pre-backward hook",
+            UserWarning,
+            stacklevel=1,
+        )  # torch's text (fsdp/_fully_shard/_fsdp_state.py); needs a process group to trigger
+        warnings.warn("Secure RNG turned off", DeprecationWarning, stacklevel=1)  # other category
+        warnings.warn("returned a view tensor", UserWarning, stacklevel=1)  # not the opening
+    assert [str(w.message) for w in seen] == ["Secure RNG turned off", "returned a view tensor"]
+    lines = [r.getMessage() for r in caplog.records if "silenced" in r.getMessage()]
+    assert len(lines) == 1 and "Secure RNG turned off" in lines[0] and "OS entropy" in lines[0]
