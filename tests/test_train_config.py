@@ -179,3 +179,36 @@ def test_known_warnings_are_silenced_narrowly_and_explained(monkeypatch, caplog)
     assert [str(w.message) for w in seen] == ["Secure RNG turned off", "returned a view tensor"]
     lines = [r.getMessage() for r in caplog.records if "silenced" in r.getMessage()]
     assert len(lines) == 1 and "Secure RNG turned off" in lines[0] and "OS entropy" in lines[0]
+
+
+def test_tensorboard_writes_the_metrics_rows_as_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from opacus_fsdp_sync.train.tensorboard import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write({"step": 0, "heldout_loss": 3.0, "epsilon": 0.0})
+    writer.write({"step": 1, "train_loss": 2.5, "step_ms": 9.0})
+    writer.write({"step": 2, "train_loss": 2.0, "heldout_loss": 2.2, "epsilon": 0.7})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+               for tag in events.Tags()["scalars"]}  # fmt: skip
+    assert scalars["train/loss"] == [(1, 2.5), (2, 2.0)]
+    assert [s for s, _ in scalars["heldout/loss"]] == [0, 2]
+    assert scalars["privacy/epsilon"][-1][1] == pytest.approx(0.7)
+    MetricsWriter(tmp_path / "off", enabled=False).write({"step": 1, "train_loss": 1.0})
+    assert not (tmp_path / "off").exists()
+
+
+def test_tensorboard_without_the_package_is_a_one_line_flag_error(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    err = _refused(capsys, monkeypatch, ["--tensorboard"])
+    assert "tensorboard=True needs the tensorboard package" in err and "[tensorboard]" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import sys
@@ -112,6 +113,9 @@ class TrainConfig:
     export (``out/model``) is always written. 0: only the final one."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out``."""
+    tensorboard: bool = False
+    """Also write the train and held-out loss and epsilon to ``out/tensorboard`` (extra
+    ``[tensorboard]``)."""
     timing: bool = False
     """``[Ghost]`` per-phase timings."""
     out: str = "runs/train"
@@ -142,6 +146,10 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:
             raise ValueError("warmup_steps >= 0, weight_decay >= 0 and lr > 0 required")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "tensorboard=True needs the tensorboard package: pip install -e '.[tensorboard]'"
+            )
         if self.merge_lora and not self.lora:
             raise ValueError("merge_lora=True needs lora=True")
         if self.max_steps is not None and self.max_steps < 1:

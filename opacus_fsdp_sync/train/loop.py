@@ -40,6 +40,7 @@ from .privacy import (
     privacy_unit,
 )
 from .run_state import load_run_state, prune_checkpoints, save_run_state, truncate_metrics
+from .tensorboard import MetricsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +248,13 @@ def train(cfg: TrainConfig) -> dict:
             " (LoRA)" if cfg.lora else "",
         )
     metrics = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    board = MetricsWriter(out, enabled=cfg.tensorboard and rank == 0)
     last_epsilon = float("nan")
     if step == 0:  # where the held-out loss starts
         first = heldout_loss(cfg, gsm, heldout, device)
         if metrics is not None:
             metrics.write(json.dumps({"step": 0, "heldout_loss": first, "epsilon": 0.0}) + "\n")
+        board.write({"step": 0, "heldout_loss": first, "epsilon": 0.0})
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
     seen = torch.tensor(seen_before if rank == 0 else 0, dtype=torch.long)
     bar_accountant = RDPAccountant()  # cheap enough for every step; the PRV epsilon is exact
@@ -289,6 +292,7 @@ def train(cfg: TrainConfig) -> dict:
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            board.write(row)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 total_seen = seen.clone()
                 if dist.is_initialized():
@@ -320,6 +324,7 @@ def train(cfg: TrainConfig) -> dict:
         if manager is not None:
             manager.__exit__(None, None, None)
     bar.close()
+    board.close()
     if dist.is_initialized():
         dist.all_reduce(seen)
     record = save(out / "model", step)
