@@ -19,6 +19,7 @@ setup(
         "plot": ["matplotlib"],
         "lora": ["peft>=0.13", "transformers>=4.45"],
         "data": ["datasets"],
+        "tensorboard": ["tensorboard"],
         "dev": [
             "pytest>=7",
             "pytest-timeout",

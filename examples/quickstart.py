@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine  # was: from opacus import PrivacyEngine
 from opacus_fsdp_sync.distributed.env import init_distributed
+from opacus_fsdp_sync.known_warnings import quiet_known_warnings
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 
@@ -27,6 +28,7 @@ def main() -> None:
     rank, world, device = init_distributed()  # gloo on CPU, NCCL on GPUs
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", force=True)  # [Ghost] lines
+    quiet_known_warnings()  # three warnings each rank prints, harmless here (logged: which, why)
     torch.manual_seed(0)  # model initialisation only: DP draws and noise come from OS entropy
     model = shard_model(build_llama(LlamaSpec(preset="tiny")), ShardingConfig(), device=device)
     ids = torch.randint(1, 128, (256, 16), generator=torch.Generator().manual_seed(0))

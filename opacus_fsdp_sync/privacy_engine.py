@@ -16,11 +16,12 @@ from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 
 from .backward import GhostStepContext, SyncDPLoss
-from .distributed.api import OptimizerFactory
+from .distributed.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
 from .distributed.registry import detect_api
 from .empty_batch import EmptyBatchStandIn
+from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
@@ -36,7 +37,7 @@ from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
-_GHOST_MODES = ("ghost", "ghost_fsdp")
+_GHOST_MODES = GHOST_MODES
 #: What Opacus's ``make_private`` counts as distributed (by the passed object's type).
 _OPACUS_DISTRIBUTED = (
     opacus.distributed.DifferentiallyPrivateDistributedDataParallel,
@@ -231,8 +232,21 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.optimizer_steps += 1
 
     def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
-        """Decides, from the model before Opacus wraps it, which optimizer the call needs."""
-        if kwargs.get("grad_sample_mode") not in _GHOST_MODES or "module" not in kwargs:
+        """Decides, from the model before Opacus wraps it, which optimizer the call needs.
+
+        Raises:
+            UnsupportedConfigurationError: for an unknown ``grad_sample_mode`` (naming the
+                allowed ones), a ghost mode the model's API cannot run (naming the one to use),
+                and what the API's record refuses.
+        """
+        mode = kwargs.get("grad_sample_mode", "hooks")
+        if mode not in (*_GHOST_MODES, *OPACUS_MODES):
+            raise UnsupportedConfigurationError(
+                f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, _GHOST_MODES))} "
+                f"(ghost clipping; 'ghost_fsdp' for FSDP models) or Opacus's "
+                f"{', '.join(map(repr, OPACUS_MODES))}"
+            )
+        if mode not in _GHOST_MODES or "module" not in kwargs:
             if "module" in kwargs:  # Opacus's own modes miscalibrate these layouts too
                 check_parallelism(_unwrap(kwargs["module"]))
             return _CallPlan()
@@ -245,6 +259,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
             grad_sample_mode=kwargs["grad_sample_mode"],
         )
         check_layout(_unwrap(module), found)
+        accepted = found.record.capabilities.ghost_modes
+        if mode not in accepted:
+            raise UnsupportedConfigurationError(
+                f"grad_sample_mode={mode!r} cannot run on a {found.record.title} model: use "
+                f"grad_sample_mode={accepted[0]!r} (this API takes "
+                f"{', '.join(map(repr, accepted))})"
+            )
         missed = found.record.capabilities.distributed and not isinstance(
             module, _OPACUS_DISTRIBUTED
         )

@@ -10,6 +10,7 @@ import pytest
 
 from opacus_fsdp_sync.distributed import ddp, fsdp1, fsdp2, single
 from opacus_fsdp_sync.distributed.api import (
+    GHOST_MODES,
     ApiRecord,
     DPOptimizerOps,
     GradientHandoff,
@@ -62,6 +63,11 @@ def test_every_api_has_a_record_with_every_builder():
         for field in ("make_controller", "make_handoff", "plan_optimizer", "check_layout"):
             assert callable(getattr(record, field)), (name, field)
         assert (record.unsharded_bytes is not None) == record.capabilities.keep_unsharded
+        modes = record.capabilities.ghost_modes
+        assert modes and set(modes) <= set(GHOST_MODES), (name, modes)
+    # Opacus's "ghost" hooks crash on FSDP parameters: the engine refuses it by this capability
+    assert RECORDS["fsdp2"].capabilities.ghost_modes == ("ghost_fsdp",)
+    assert RECORDS["fsdp1"].capabilities.ghost_modes == ("ghost_fsdp",)
     with pytest.raises(KeyError, match="unknown distributed API 'fsdp3'"):
         record_for("fsdp3")
 

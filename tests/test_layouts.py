@@ -120,6 +120,19 @@ def test_tensor_parallelism_is_refused_naming_parameters_and_placements():
     assert "_StridedShard" in res["tp_fsdp_1x2", "ghost_fsdp"]["refused"]
 
 
+def test_ghost_mode_on_an_fsdp_model_is_refused_naming_ghost_fsdp():
+    """Opacus's ``"ghost"`` hooks on FSDP2 or FSDP1 parameters would crash in the first forward
+    (``'Parameter' object has no attribute '_forward_counter'``): refused at ``make_private``."""
+    layouts, modes = ("fsdp2_root", "fsdp1_root"), ("ghost",)
+    res = _refused(
+        run_ranks(wl.refused_parallelism, 2, layouts, modes, timeout=300), layouts, modes
+    )
+    for layout, title in zip(layouts, ("FSDP2", "FSDP1")):
+        message = res[layout, "ghost"]["refused"]
+        assert f"grad_sample_mode='ghost' cannot run on a {title} model" in message, message
+        assert "use grad_sample_mode='ghost_fsdp'" in message, message
+
+
 @pytest.mark.slow
 def test_tensor_parallel_fsdp2_on_a_2x2_mesh_is_refused():
     """The real 2-D layout (dp 2 x tp 2, 4 ranks); build and refusal only."""

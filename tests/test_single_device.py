@@ -207,3 +207,19 @@ def test_norms_phase_times_every_hooked_layer_once(setup, timing):
     assert (gsm._norm_timer is timer) is timing
     if timing:
         assert 0 < engine.last_step_timings["norms"] < engine.last_step_timings["first_backward"]
+
+
+def test_unknown_grad_sample_mode_is_refused_naming_the_allowed_ones(setup):
+    """Opacus would say ``Allowed values: hooks, ew`` only once it wraps the model."""
+    from opacus_fsdp_sync.errors import UnsupportedConfigurationError
+
+    base, x, y, C = setup
+    model = copy.deepcopy(base)
+    with pytest.raises(UnsupportedConfigurationError) as info:
+        make_private(PrivacyEngine(), model, (x, y), B, C, "ghost_fsdp2")
+    message = str(info.value)
+    assert message.startswith("grad_sample_mode='ghost_fsdp2': choose one of 'ghost', 'ghost_fsdp'")
+    assert "'hooks', 'functorch', 'ew'" in message
+    assert not model._forward_hooks and all(not m._forward_hooks for m in model.modules())
+    gsm, *_ = make_private(PrivacyEngine(), copy.deepcopy(base), (x, y), B, C, "hooks")
+    assert isinstance(gsm, opacus.GradSampleModule)  # Opacus's own modes pass through

@@ -325,7 +325,11 @@ def _tensor_parallel(model: nn.Module, mesh) -> nn.Module:
 
 
 def _unsupported(layout: str, world: int) -> nn.Module:
-    """Layouts whose noise the engine cannot calibrate: DDP-based replicate, tensor parallelism."""
+    """Layouts whose noise the engine cannot calibrate: DDP-based replicate, tensor parallelism;
+    and the FSDP layouts (``fsdp2_root``, ``fsdp1_root``), refused with ``grad_sample_mode``
+    ``"ghost"``."""
+    if layout.startswith(("fsdp2_", "fsdp1_")):
+        return (_fsdp2 if layout.startswith("fsdp2") else _fsdp1)(layout, world)
     model = _base()
     if layout.startswith("replicate_ddp"):
         from torch.distributed._composable.replicate import replicate

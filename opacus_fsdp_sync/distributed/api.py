@@ -28,6 +28,11 @@ logger = logging.getLogger("opacus_fsdp_sync")
 #: The names records carry (what :class:`~.detect.DistributedRoot` reports as ``api``).
 SINGLE, DDP, FSDP1, FSDP2 = None, "ddp", "fsdp1", "fsdp2"
 
+#: Opacus's ghost-clipping ``grad_sample_mode`` values (this package's step runs them).
+GHOST_MODES = ("ghost", "ghost_fsdp")
+#: Opacus's other modes (its own per-sample gradient paths, passed through unchanged).
+OPACUS_MODES = ("hooks", "functorch", "ew", "no_op")
+
 
 @runtime_checkable
 class StepController(Protocol):
@@ -100,6 +105,9 @@ class Capabilities:
     """Parameters can stay unsharded between the passes (FSDP2)."""
     generic_replay: bool = False
     """One backward can replay a layer without a direct gradient formula (full parameters)."""
+    ghost_modes: tuple[str, ...]
+    """The ghost-clipping ``grad_sample_mode`` values a model of this API can be made private
+    with (the first is the one to name when another is refused)."""
 
 
 #: ``factory(inner optimizer, *, generator, secure_mode, **Opacus's optimizer arguments)``

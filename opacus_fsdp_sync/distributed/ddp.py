@@ -207,7 +207,9 @@ def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: st
 RECORD = ApiRecord(
     name=DDP,
     title="DDP",
-    capabilities=Capabilities(distributed=True, generic_replay=True),
+    capabilities=Capabilities(
+        distributed=True, generic_replay=True, ghost_modes=("ghost", "ghost_fsdp")
+    ),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,

@@ -200,7 +200,8 @@ def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
 RECORD = ApiRecord(
     name=FSDP1,
     title="FSDP1",
-    capabilities=Capabilities(distributed=True, sharded=True),
+    # Opacus's "ghost" hooks expect the module's own parameters; FSDP1 flattens them.
+    capabilities=Capabilities(distributed=True, sharded=True, ghost_modes=("ghost_fsdp",)),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,

@@ -281,7 +281,11 @@ def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
 RECORD = ApiRecord(
     name=FSDP2,
     title="FSDP2",
-    capabilities=Capabilities(distributed=True, sharded=True, keep_unsharded=True),
+    # Opacus's "ghost" hooks count forwards on each nn.Parameter: FSDP2 swaps them for DTensors
+    # and the first forward fails (AttributeError: '_forward_counter').
+    capabilities=Capabilities(
+        distributed=True, sharded=True, keep_unsharded=True, ghost_modes=("ghost_fsdp",)
+    ),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,

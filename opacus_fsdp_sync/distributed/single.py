@@ -67,7 +67,9 @@ def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
 RECORD = ApiRecord(
     name=SINGLE,
     title="single device",
-    capabilities=Capabilities(distributed=False, generic_replay=True),
+    capabilities=Capabilities(
+        distributed=False, generic_replay=True, ghost_modes=("ghost", "ghost_fsdp")
+    ),
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=opacus_optimizer,

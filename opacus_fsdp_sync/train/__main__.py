@@ -5,21 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the flags, trains, and leaves (``os._exit`` after a distributed run on CPU)."""
     import torch.distributed as dist
 
+    from ..known_warnings import quiet_known_warnings
     from .config import parse_args
     from .loop import train
 
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
-    warnings.filterwarnings("ignore", message="Secure RNG turned off")
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = parse_args(argv)
+    quiet_known_warnings()  # after parse_args: --help and flag errors stay short
     code = 0
     try:
         train(cfg)

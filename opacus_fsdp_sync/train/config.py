@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ..models.llama import PRESETS, TASKS
 from .privacy import PRIVACY_NOTE
+from .run_file import load_run_file
 
 #: The allowed values of the fields that take one of a few (checked, and shown by ``--help``).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -103,11 +105,17 @@ class TrainConfig:
     """Held-out loss every N logical steps (and at the end)."""
     checkpoint_every: int = 0
     """DCP checkpoint (with the DP state) every N logical steps; 0: none."""
+    keep_last: int = 0
+    """Keep only the N newest checkpoints (older ones deleted after each successful save; the
+    ``latest`` marker always names a kept one); 0: keep all."""
     save_every: int = 0
     """Also export the model every N logical steps (``out/model-stepNNNNNN``); the final
     export (``out/model``) is always written. 0: only the final one."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out``."""
+    tensorboard: bool = False
+    """Also write the train and held-out loss and epsilon to ``out/tensorboard`` (extra
+    ``[tensorboard]``)."""
     timing: bool = False
     """``[Ghost]`` per-phase timings."""
     out: str = "runs/train"
@@ -133,11 +141,15 @@ class TrainConfig:
         for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("save_every", "checkpoint_every"):
+        for name in ("save_every", "checkpoint_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:
             raise ValueError("warmup_steps >= 0, weight_decay >= 0 and lr > 0 required")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "tensorboard=True needs the tensorboard package: pip install -e '.[tensorboard]'"
+            )
         if self.merge_lora and not self.lora:
             raise ValueError("merge_lora=True needs lora=True")
         if self.max_steps is not None and self.max_steps < 1:
@@ -192,14 +204,21 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Maps CLI flags one-to-one onto :class:`TrainConfig` fields.
 
-    A value that :class:`TrainConfig` refuses ends the process like a bad flag does: one line
-    (from rank 0), exit status 2.
+    ``--config FILE`` first takes the fields a run file sets (:mod:`.run_file`); the flags given
+    on the command line override them. A value that :class:`TrainConfig` refuses, or a run file
+    it cannot read, ends the process like a bad flag does: one line (from rank 0), exit status 2.
     """
     parser = _Parser(
         prog="opacus-fsdp-sync-train",
         description="DP fine-tuning under FSDP2, FSDP1 or DDP.",
         epilog=PRIVACY_NOTE,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="A run file (.toml; .yaml with PyYAML) of TrainConfig fields; flags override it.",
     )
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
@@ -216,7 +235,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=doc
         )
     try:
-        cfg = TrainConfig(**vars(parser.parse_args(argv)))
+        run_file = parser.parse_known_args(argv)[0].config
+        if run_file is not None:
+            parser.set_defaults(**load_run_file(run_file, TrainConfig))
+        values = vars(parser.parse_args(argv))
+        values.pop("config")
+        cfg = TrainConfig(**values)
         check_out(cfg)
         return cfg
     except ValueError as err:

@@ -39,7 +39,8 @@ from .privacy import (
     plan_steps,
     privacy_unit,
 )
-from .run_state import load_run_state, save_run_state, truncate_metrics
+from .run_state import load_run_state, prune_checkpoints, save_run_state, truncate_metrics
+from .tensorboard import MetricsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,17 @@ def _save(out: Path, step: int, model, optimizer, engine, rank: int) -> None:
         dist.barrier()
     if rank == 0:
         (out / "checkpoints" / "latest").write_text(name)
+
+
+def _retain(cfg: TrainConfig, out: Path, step: int) -> None:
+    """Rank 0, once the checkpoint of ``step`` is complete: ``--keep-last`` and the log line."""
+    kept = prune_checkpoints(out / "checkpoints", cfg.keep_last)
+    logger.info(
+        "[Ghost] checkpoint: saved step %d to %s (kept %d)",
+        step,
+        out / "checkpoints" / f"step{step:06d}",
+        len(kept),
+    )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -236,11 +248,13 @@ def train(cfg: TrainConfig) -> dict:
             " (LoRA)" if cfg.lora else "",
         )
     metrics = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    board = MetricsWriter(out, enabled=cfg.tensorboard and rank == 0)
     last_epsilon = float("nan")
     if step == 0:  # where the held-out loss starts
         first = heldout_loss(cfg, gsm, heldout, device)
         if metrics is not None:
             metrics.write(json.dumps({"step": 0, "heldout_loss": first, "epsilon": 0.0}) + "\n")
+        board.write({"step": 0, "heldout_loss": first, "epsilon": 0.0})
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
     seen = torch.tensor(seen_before if rank == 0 else 0, dtype=torch.long)
     bar_accountant = RDPAccountant()  # cheap enough for every step; the PRV epsilon is exact
@@ -278,6 +292,7 @@ def train(cfg: TrainConfig) -> dict:
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            board.write(row)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 total_seen = seen.clone()
                 if dist.is_initialized():
@@ -290,6 +305,7 @@ def train(cfg: TrainConfig) -> dict:
                         examples_seen=int(total_seen),
                         wall_s=wall_before + time.perf_counter() - start_time,
                     )
+                    _retain(cfg, out, step)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                 save(out / f"model-step{step:06d}", step)
             if rank == 0 and opt.noise_multiplier > 0:
@@ -308,6 +324,7 @@ def train(cfg: TrainConfig) -> dict:
         if manager is not None:
             manager.__exit__(None, None, None)
     bar.close()
+    board.close()
     if dist.is_initialized():
         dist.all_reduce(seen)
     record = save(out / "model", step)

@@ -2,12 +2,15 @@
 
 The learning-rate schedule's state, the examples seen so far over all ranks and the wall time
 spent up to the checkpoint (so that a resumed run's report covers the whole run); and on resume
-``metrics.jsonl`` cut back to the checkpoint's step, so that each step appears once.
+``metrics.jsonl`` cut back to the checkpoint's step, so that each step appears once; and the
+retention of ``--keep-last`` checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -41,3 +44,33 @@ def truncate_metrics(metrics: Path, step: int) -> int:
     kept = [line for line in rows if json.loads(line)["step"] <= step]
     metrics.write_text("".join(line + "\n" for line in kept))
     return len(rows) - len(kept)
+
+
+_STEP_DIR = re.compile(r"step(\d+)")
+
+
+def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
+    """Deletes all but the ``keep`` newest checkpoints up to the one ``latest`` names.
+
+    Called by rank 0 after a save has completed and ``latest`` names it, so the marker always
+    names a checkpoint that exists. Directories of steps after ``latest`` (left by a run that died
+    before it could mark them, and written again as a resumed run reaches them) are not touched.
+
+    Args:
+        checkpoints: the ``out/checkpoints`` directory (``stepNNNNNN/`` and ``latest``).
+        keep: how many to keep, ``latest`` included; 0 keeps all.
+
+    Returns:
+        The checkpoint directories kept, oldest first.
+    """
+    latest = (checkpoints / "latest").read_text().strip()
+    latest_step = int(_STEP_DIR.fullmatch(latest).group(1))
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in checkpoints.iterdir()
+        if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)) and int(m.group(1)) <= latest_step
+    )
+    dropped = steps[: max(len(steps) - keep, 0)] if keep > 0 else []
+    for _, path in dropped:
+        shutil.rmtree(path)
+    return [path for _, path in steps[len(dropped) :]]
