@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from ..distributed.detect import _unwrap
@@ -19,7 +20,7 @@ from . import dp_state as state_module
 
 def _targets(model, optimizer):
     module = _unwrap(model)
-    optim = getattr(optimizer, "original_optimizer", optimizer)
+    optim = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
     return module, optim
 
 
