@@ -374,6 +374,26 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def result_path(cfg: ExperimentConfig) -> Path:
+    """Where rank 0 writes the experiment's JSON result: ``{out}/{name}.json``."""
+    name = cfg.name or f"{cfg.mode}_seq{cfg.seq_length}"
+    return Path(cfg.out) / f"{name}.json"
+
+
+def result_line(result: dict, path: Path) -> str:
+    """The experiment's ``[Ghost]`` line: its name, median step, throughput and result file.
+
+    Args:
+        result: The experiment's result (``step_ms``, ``tokens_per_s``).
+        path: The JSON file the result was written to (:func:`result_path`), printed as is so
+            that the line names a file that exists.
+    """
+    return (
+        f"[Ghost] {path.stem}: step {result['step_ms']['median']:.1f} ms (median), "
+        f"{result['tokens_per_s']:.0f} tokens/s -> {path}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one experiment and writes ``{out}/{name}.json`` on rank 0."""
     # Opacus installs a root handler at import time; replace it so [Ghost] lines reach stdout.
@@ -387,18 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(cfg)
         if dist.get_rank() == 0:
-            out = Path(cfg.out)
-            out.mkdir(parents=True, exist_ok=True)
-            name = cfg.name or f"{cfg.mode}_seq{cfg.seq_length}"
+            path = result_path(cfg)
+            path.parent.mkdir(parents=True, exist_ok=True)
             result["wall_s"] = time.perf_counter() - start
-            (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-            logger.info(
-                "[Ghost] %s: step %.1f ms (median), %.0f tokens/s -> %s",
-                name,
-                result["step_ms"]["median"],
-                result["tokens_per_s"],
-                out / name,
-            )
+            path.write_text(json.dumps(result, indent=2))
+            logger.info(result_line(result, path))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
