@@ -4,7 +4,8 @@ Each mode's median step time is given as a ratio to ``ghost_fsdp`` (upstream) an
 (the non-private floor) at the same sequence length.
 
 Usage: ``python summarize.py RUN_DIR`` (writes ``summary.md`` and ``summary.csv`` there and prints
-the Markdown table).
+the Markdown table). The Markdown table keeps a few columns (:data:`MD_COLUMNS`); the CSV has
+every one (:data:`COLUMNS`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ COLUMNS = [
     "peak_mem_MiB",
     "status",
 ]
+#: The Markdown table's columns: what a reader compares at a glance. ``summary.csv`` keeps every
+#: column of :data:`COLUMNS` (min/max, phases, bytes, memory).
+MD_COLUMNS = [
+    "mode",
+    "api",
+    "tied",
+    "seq",
+    "step_ms_median",
+    "vs_no_dp",
+    "vs_ghost_fsdp",
+    "tokens_per_s",
+    "collectives_per_step",
+    "status",
+]
+
+
+def collectives(row: dict) -> str:
+    """Collectives per step of a row, e.g. ``10 AG / 5 RS`` (kinds that ran), or empty."""
+    kinds = (("ag_per_step", "AG"), ("rs_per_step", "RS"), ("ar_per_step", "AR"))
+    return " / ".join(f"{row[c]} {k}" for c, k in kinds if row.get(c) not in (None, "", "0"))
 
 
 def _phase_median(phases: dict, name: str) -> str:
@@ -161,10 +182,12 @@ def markdown(table: list[dict], results: list[dict]) -> str:
             "collate); `fixed` rows reuse one batch.",
             "",
         ]
-    lines.append("| " + " | ".join(COLUMNS) + " |")
-    lines.append("| " + " | ".join("---" for _ in COLUMNS) + " |")
+    lines.append("| " + " | ".join(MD_COLUMNS) + " |")
+    lines.append("| " + " | ".join("---" for _ in MD_COLUMNS) + " |")
     for row in table:
-        lines.append("| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |")
+        cells = dict(row, collectives_per_step=collectives(row))
+        lines.append("| " + " | ".join(str(cells.get(c, "")) for c in MD_COLUMNS) + " |")
+    lines += ["", "Every column (min/max, phases, bytes, memory): `summary.csv`."]
     return "\n".join(lines) + "\n"
 
 
