@@ -206,3 +206,13 @@ def test_importing_the_core_package_loads_no_benchmark_module():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[:2] == ["0", "[]"], proc.stdout
+
+
+def test_default_mode_runs_the_engines_default_options():
+    from opacus_fsdp_sync.options import GhostOptions
+
+    defaults = GhostOptions()
+    spec = bench_modes.MODES[bench_modes.DEFAULT_MODE]
+    assert spec.private and spec.engine_kwargs
+    for name, value in spec.engine_kwargs.items():
+        assert getattr(defaults, name) == value, name

@@ -95,6 +95,10 @@ def _build_modes() -> dict[str, ModeSpec]:
 
 MODES: dict[str, ModeSpec] = _build_modes()
 
+#: The package's default private step (``PrivacyEngine`` with default options): the mode tables
+#: and plots mark.
+DEFAULT_MODE = "ghost_fsdp_one_backward"
+
 
 def get_mode(name: str) -> ModeSpec:
     """Returns the spec of mode ``name``.
