@@ -10,9 +10,14 @@ length), so that ten modes stay readable:
   their parent, not on top of it; phases timed outside the step (``sampling``) are not stacked
   and are written after the bar. Which phase is which comes from
   :data:`opacus_fsdp_sync.profiling.PHASE_PARENT`; a phase missing there is stacked (with a
-  warning), never dropped.
-- ``communication.png``: bytes per step of each collective kind, one thin bar per kind, stacked
-  by the phase that issued them.
+  warning), never dropped. The legend lists the phases visible in at least one bar; those
+  narrower than :data:`LEGEND_MIN` of the widest bar everywhere are named in a footnote.
+- ``communication.png``: one panel per collective kind that occurs (all-gather, reduce-scatter,
+  all-reduce, ...): MiB per step of each experiment, stacked by the phase that issued them;
+  sequence lengths with the same bytes share one bar.
+
+The default mode (:data:`opacus_fsdp_sync.bench.modes.DEFAULT_MODE`) is labelled in bold with a
+``(default)`` suffix.
 
 Usage: ``python plot_results.py RUN_DIR``.
 """
@@ -24,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opacus_fsdp_sync.bench.modes import MODES
+from opacus_fsdp_sync.bench.modes import DEFAULT_MODE, MODES
 from opacus_fsdp_sync.profiling import PHASE_PARENT
 
 #: The remainder segment: the measured step minus its timed top-level phases.
@@ -33,6 +38,11 @@ OTHER = "other"
 TOLERANCE = 0.05
 #: Collective kinds in the order their thin bars are drawn.
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+#: A phase narrower than this fraction of the widest bar in every bar is left out of the legend
+#: (its colour could not be found in any bar) and named in the footnote instead.
+LEGEND_MIN = 0.005
+#: Suffix of the default mode's axis label.
+DEFAULT_SUFFIX = " (default)"
 
 
 @dataclass
@@ -79,9 +89,18 @@ def _variant(result: dict) -> tuple[str, str]:
 
 
 def label(result: dict) -> str:
-    """Axis label: short mode name, API, and the tied/untied variant when one was forced."""
+    """Axis label: mode, API, forced tied/untied variant; the default mode gets its suffix."""
     api, tie = _variant(result)
-    return " ".join(p for p in (short_name(result["config"]["mode"]), api, tie) if p)
+    mode = result["config"]["mode"]
+    text = " ".join(p for p in (short_name(mode), api, tie) if p)
+    return text + (DEFAULT_SUFFIX if mode == DEFAULT_MODE else "")
+
+
+def _mark_default(ax, modes: list[str]) -> None:
+    """Bold tick labels for the rows of the default mode (``modes``: one per row, in order)."""
+    for tick, mode in zip(ax.get_yticklabels(), modes):
+        if mode == DEFAULT_MODE:
+            tick.set_fontweight("bold")
 
 
 def _placement(name: str, present: dict[str, float]) -> str | None:
@@ -260,22 +279,58 @@ def _draw_phase_panel(ax, panel: list[Bar], color: dict) -> None:
         ax.plot([bar.step_ms] * 2, [y - 0.45, y + 0.45], color="k", linewidth=1.5)
         ax.text(max(bar.total_ms, bar.step_ms), y, _bar_note(bar), va="center", fontsize=7)
     ax.set_yticks(range(len(panel)), [b.label for b in panel], fontsize=8)
+    _mark_default(ax, [b.mode for b in panel])
     ax.invert_yaxis()
     ax.set_xlim(0, max(max(b.total_ms, b.step_ms) for b in panel) * 1.5)
 
 
-def _legend(fig, axes, columns: int = 5) -> None:
-    """One legend for all panels, under them; lays the figure out around it."""
+def tiny_phases(all_bars: list[Bar], fraction: float = LEGEND_MIN) -> list[str]:
+    """The phases drawn narrower than ``fraction`` of the widest bar in every bar.
+
+    Returns:
+        Their names in ``PHASE_PARENT`` order (``other`` last), for the footnote.
+    """
+    widest = max(max(b.total_ms, b.step_ms) for b in all_bars)
+    width: dict[str, float] = {}
+    for b in all_bars:
+        drawn = {**b.segments, **{p: ms for p, (_, ms, _, _) in b.nested.items()}}
+        for p, ms in drawn.items():
+            width[p] = max(width.get(p, 0.0), ms)
+    return _order(p for p, w in width.items() if w < fraction * widest)
+
+
+def _legend(fig, axes, columns: int = 5, hidden=(), note: str = "") -> None:
+    """One legend for all panels, under them, and a footnote under it; lays the figure out.
+
+    Args:
+        fig: The figure.
+        axes: Its panels, whose labelled artists make the legend.
+        columns: Legend columns.
+        hidden: Phase names left out of the legend.
+        note: A line under the legend (which phases were left out), or empty.
+    """
     seen: dict[str, object] = {}
     for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
-            seen.setdefault(name, handle)
+            if name.split(" (")[0] not in hidden:
+                seen.setdefault(name, handle)
     rank = {p: i for i, p in enumerate(colors(()))}
     seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0].split(" (")[0], len(rank))))
+    height = fig.get_figheight()
+    below = 0.25 / height if note else 0.0  # room for the footnote, in figure coordinates
+    if note:
+        fig.text(0.5, 0.06 / height, note, ha="center", va="bottom", fontsize=7, style="italic")
     if seen:
-        fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=columns, fontsize=7)
+        fig.legend(
+            list(seen.values()),
+            list(seen),
+            loc="lower center",
+            bbox_to_anchor=(0.5, below),
+            ncol=columns,
+            fontsize=7,
+        )
     rows = -(-len(seen) // columns)
-    fig.tight_layout(rect=(0, (0.2 + 0.17 * rows) / fig.get_figheight(), 1, 1))
+    fig.tight_layout(rect=(0, below + (0.2 + 0.17 * rows) / height, 1, 1))
 
 
 def plot_phases(all_bars: list[Bar], path: Path):
@@ -297,7 +352,14 @@ def plot_phases(all_bars: list[Bar], path: Path):
         )
     axes[-1, 0].set_xlabel("ms per step")
     axes[0, 0].plot([], [], color="k", marker="|", linestyle="", label="measured step")
-    _legend(fig, axes[:, 0])
+    tiny = tiny_phases(all_bars)
+    note = (
+        f"Not in the legend (narrower than {LEGEND_MIN:.1%} of the widest bar in every bar): "
+        + ", ".join(tiny)
+        if tiny
+        else ""
+    )
+    _legend(fig, axes[:, 0], hidden=tiny, note=note)
     fig.savefig(path, dpi=120)
     return fig
 
@@ -316,43 +378,56 @@ def _comm_kinds(results: list[dict]) -> list[str]:
     return [k for k in COLLECTIVES if k in seen] + sorted(seen - set(COLLECTIVES))
 
 
-def _draw_comm_panel(ax, panel: list[dict], kinds: list[str], color: dict) -> None:
-    h = 0.8 / max(len(kinds), 1)
-    for y, r in enumerate(panel):
-        for i, kind in enumerate(kinds):
-            yk = y - 0.4 + h * (i + 0.5)
-            left = 0.0
-            for p, mib in _comm_mib(r, kind).items():
-                ax.barh(yk, mib, left=left, height=h * 0.9, color=color[p], label=p)
-                left += mib
-            if left:
-                ax.text(left, yk, f" {kind} {left:.3g}", va="center", fontsize=6)
-    ax.set_yticks(range(len(panel)), [label(r) for r in panel], fontsize=8)
+def comm_rows(results: list[dict], kind: str) -> list[tuple[str, str, dict[str, float], float]]:
+    """The bars of one collective kind's panel: experiments that issued it, in plot order.
+
+    Sequence lengths of the same experiment with the same bytes and calls share one bar.
+
+    Returns:
+        ``(label, mode, MiB by issuing phase, calls per step)`` per bar.
+    """
+    shared: dict[tuple, list[int]] = {}
+    for r in sorted(results, key=lambda r: (_sort_key(r)[1:], _sort_key(r)[0])):
+        mib = _comm_mib(r, kind)
+        if mib:
+            calls = sum(k.get(kind, {}).get("count", 0) for k in r["comm_per_step"].values())
+            key = (label(r), r["config"]["mode"], tuple(mib.items()), calls)
+            shared.setdefault(key, []).append(r["config"]["seq_length"])
+    return [
+        (f"{text}, seq {', '.join(map(str, seqs))}", mode, dict(mib), calls)
+        for (text, mode, mib, calls), seqs in shared.items()
+    ]
+
+
+def _draw_comm_panel(ax, rows: list[tuple], color: dict) -> None:
+    for y, (_, _, mib, calls) in enumerate(rows):
+        left = 0.0
+        for p, width in mib.items():
+            ax.barh(y, width, left=left, height=0.8, color=color[p], label=p)
+            left += width
+        ax.text(left, y, f" {left:.3g} MiB, {calls:g} calls", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [row[0] for row in rows], fontsize=8)
+    _mark_default(ax, [row[1] for row in rows])
     ax.invert_yaxis()
-    if not kinds:
-        ax.text(0.5, 0.5, "no collectives counted", transform=ax.transAxes, ha="center")
-    right = max((sum(_comm_mib(r, k).values()) for r in panel for k in kinds), default=1.0)
-    ax.set_xlim(0, (right or 1.0) * 1.3)
+    ax.set_xlim(0, max(sum(row[2].values()) for row in rows) * 1.3)
 
 
 def plot_communication(results: list[dict], path: Path):
-    """Writes MiB per step per collective kind, stacked by phase, to ``path``.
+    """Writes MiB per step, one panel per collective kind that occurs, to ``path``.
 
     Returns:
         The matplotlib figure (for the caller to inspect or close).
     """
-    ok = sorted((r for r in results if r.get("status") == "ok"), key=_sort_key)
-    panels = _by_seq(ok, lambda r: r["config"]["seq_length"])
-    kinds = _comm_kinds(ok)
+    ok = [r for r in results if r.get("status") == "ok"]
+    panels = {k: rows for k in _comm_kinds(ok) if (rows := comm_rows(ok, k))}
     names = {p for r in ok for p in r.get("comm_per_step", {})}
     color = colors(names)
-    fig, axes = _panels([len(v) for v in panels.values()], width=10)
-    for ax, (seq, panel) in zip(axes[:, 0], panels.items()):
-        _draw_comm_panel(ax, panel, kinds, color)
-        ax.set_title(
-            f"seq {seq}: MiB per step, a thin bar per collective kind, coloured by issuing phase",
-            fontsize=9,
-        )
+    fig, axes = _panels([len(v) for v in panels.values()] or [1], width=10)
+    for ax, (kind, rows) in zip(axes[:, 0], panels.items()):
+        _draw_comm_panel(ax, rows, color)
+        ax.set_title(f"{kind}: MiB per step, coloured by issuing phase", fontsize=9)
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no collectives counted", ha="center")
     axes[-1, 0].set_xlabel("MiB per step (counted in an untimed step)")
     _legend(fig, axes[:, 0])
     fig.savefig(path, dpi=120)
