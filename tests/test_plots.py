@@ -13,6 +13,7 @@ import statistics
 import matplotlib
 import pytest
 
+from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import DEFAULT_MODE, MODES
 from opacus_fsdp_sync.profiling import PHASE_PARENT
 from tests.suite_scripts import load_script
@@ -238,3 +239,34 @@ def test_committed_runs_add_up(run_dir):
     for r in results:
         assert set(r.get("phases_ms", {})) <= set(PHASE_PARENT), run_dir
     assert plot.off_bars(plot.bars(results)) == []
+
+
+def _recorded(result: dict, step_ms: list[float], sizes: list[int]) -> dict:
+    """``result`` with per-step data of a run that records them (the summary table's fields)."""
+    r = json.loads(json.dumps(result))
+    r["step_ms"] = {"median": statistics.median(step_ms), "min": min(step_ms), "max": max(step_ms)}
+    r["sampling"] = "fixed" if len(set(sizes)) == 1 else "poisson"
+    r["measured_global_batch_sizes"] = sizes
+    r["ms_per_example"] = throughput.per_example_ms(step_ms, sizes)
+    r["tokens_per_s"] = throughput.tokens_per_s(step_ms, sizes, r["config"]["seq_length"])
+    return r
+
+
+def test_bar_note_compares_poisson_rows_per_example_like_the_table(results):
+    no_dp_r, private = (
+        next(r for r in results if r["config"]["mode"] == m) for m in ("no_dp", "ghost_fsdp")
+    )
+    floor = _recorded(no_dp_r, [100.0, 99.0, 101.0], [8, 8, 8])
+    drawn = [4, 5, 14]
+    poisson = _recorded(private, [20.0 + 20.0 * b for b in drawn], drawn)
+    bar = plot.stack(poisson, floor)
+    per_example = statistics.median(20.0 / b + 20.0 for b in drawn) / 12.5
+    assert bar.vs_no_dp == pytest.approx(per_example) and bar.vs_no_dp != pytest.approx(1.2)
+    assert plot._bar_note(bar).startswith(f" 120.0 ms, {per_example:.2f}x no_dp per example")
+    fixed = _recorded(private, [150.0, 149.0, 152.0], [8, 8, 8])
+    bar = plot.stack(fixed, floor)  # a fixed batch: the step ratio, no "per example"
+    assert bar.vs_no_dp == pytest.approx(1.5, rel=1e-12)
+    assert plot._bar_note(bar).startswith(" 150.0 ms, 1.50x no_dp [")
+    old = json.loads(json.dumps(private))  # no per-step data: the median step ratio, as before
+    bar = plot.stack(old, floor)
+    assert bar.vs_no_dp == old["step_ms"]["median"] / 100.0 and not bar.per_example

@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,15 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         assert set(r["step_ms"]) == {"median", "min", "max"}
         assert r["tokens_per_s"] > 0 and r["peak_memory"]["bytes"] > 0
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
+        # Global batch per measured step: summed over both ranks (rank 0's local is part of it).
+        sizes = r["measured_global_batch_sizes"]
+        assert len(sizes) == len(r["measured_step_ms"]) == 2
+        assert all(g >= b for g, b in zip(sizes, r["local_batch_sizes"][1:3]))
+        if r["sampling"] == "fixed":
+            assert sizes == [4, 4]  # BATCH_SIZE 2 x 2 ranks
+        assert r["tokens_per_s"] == pytest.approx(
+            sum(sizes) * 32 / sum(r["measured_step_ms"]) * 1e3
+        )
     for mode in ("ghost_fsdp", "ghost_fsdp_sync", "ghost_fsdp_parity"):
         assert {
             "forward",
@@ -116,6 +126,34 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     for b in bars:
         assert "norms" not in b.segments
         assert (b.mode == "no_dp") != ("norms" in b.nested), b
+
+
+@pytest.mark.slow
+def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
+    """One rank: the recorded per-step data are the loop's measured steps, and the committed
+    runs' reconstruction (``local_batch_sizes`` in loop order, the log's step lines) agrees."""
+    from opacus_fsdp_sync.bench import throughput
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, str(SUITE / "profile_experiment.py"), "--model", "tiny",
+        "--mode", "ghost_fsdp_one_backward", "--seq-length", "16", "--batch-size", "4",
+        "--steps", "4", "--warmup", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    r = json.loads((tmp_path / "ghost_fsdp_one_backward_seq16.json").read_text())
+    sizes, ms = r["measured_global_batch_sizes"], r["measured_step_ms"]
+    assert r["sampling"] == "poisson" and len(r["local_batch_sizes"]) == 1 + 4 + 1
+    assert sizes == r["local_batch_sizes"][1:5]  # world size 1: local is global
+    assert len(ms) == 4 and statistics.median(ms) == r["step_ms"]["median"]
+    assert r["tokens_per_s"] == pytest.approx(sum(sizes) * 16 / (sum(ms) / 1e3))
+    assert r["ms_per_example"] == throughput.per_example_ms(ms, sizes)
+    old = {k: v for k, v in r.items() if k not in ("measured_global_batch_sizes", "ms_per_example")}
+    rebuilt = throughput.reconstruct(old, proc.stdout)
+    assert rebuilt["global_batch_sizes"] == sizes
+    assert rebuilt["step_ms"] == pytest.approx(ms, abs=0.05)
 
 
 @pytest.mark.distributed

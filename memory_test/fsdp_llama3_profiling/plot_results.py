@@ -17,18 +17,21 @@ length), so that ten modes stay readable:
   sequence lengths with the same bytes share one bar.
 
 The default mode (:data:`opacus_fsdp_sync.bench.modes.DEFAULT_MODE`) is labelled in bold with a
-``(default)`` suffix.
+``(default)`` suffix. Each bar's note gives its ratio to ``no_dp`` as the summary table does
+(:func:`opacus_fsdp_sync.bench.throughput.ratio`): the cost per example where both results have
+one (``per example`` in the note where the row's batch was drawn by Poisson sampling, since the
+ratio then differs from the steps drawn), else the median step ratio.
 
 Usage: ``python plot_results.py RUN_DIR``.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import DEFAULT_MODE, MODES
 from opacus_fsdp_sync.profiling import PHASE_PARENT
 
@@ -58,7 +61,10 @@ class Bar:
         nested: Phases timed inside another: ``name -> (start_ms, width_ms, depth, parent)``,
             drawn over their parent's segment.
         outside: Phases timed outside the step (not stacked), median ms.
-        vs_no_dp: Step over ``no_dp``'s step of the same length and variant, if that ran.
+        vs_no_dp: Ratio to ``no_dp`` of the same length and variant, if that ran
+            (:func:`opacus_fsdp_sync.bench.throughput.ratio`).
+        per_example: Whether ``vs_no_dp`` compares costs per example of a Poisson-sampled row
+            (which then differs from the step ratio), for the note.
     """
 
     label: str
@@ -69,6 +75,7 @@ class Bar:
     nested: dict[str, tuple[float, float, int, str]] = field(default_factory=dict)
     outside: dict[str, float] = field(default_factory=dict)
     vs_no_dp: float | None = None
+    per_example: bool = False
 
     @property
     def total_ms(self) -> float:
@@ -128,12 +135,12 @@ def _order(names) -> list[str]:
     return sorted(names, key=lambda p: (rank.get(p, len(rank)), p))
 
 
-def stack(result: dict, no_dp_ms: float | None = None) -> Bar:
+def stack(result: dict, no_dp: dict | None = None) -> Bar:
     """The bar of one successful experiment.
 
     Args:
         result: One experiment's JSON result (``status == "ok"``).
-        no_dp_ms: ``no_dp``'s median step at the same length and variant, if that ran.
+        no_dp: ``no_dp``'s result at the same length and variant, if that ran.
 
     Returns:
         The stacked top-level phases and ``other``, the nested phases placed inside their parent,
@@ -151,7 +158,9 @@ def stack(result: dict, no_dp_ms: float | None = None) -> Bar:
             bar.outside[p] = present[p]
     bar.segments[OTHER] = max(step - sum(bar.segments.values()), 0.0)
     _place_nested(bar, present, where)
-    bar.vs_no_dp = step / no_dp_ms if no_dp_ms else None
+    if no_dp is not None:
+        bar.vs_no_dp, basis = throughput.ratio(result, no_dp)
+        bar.per_example = basis == throughput.PER_EXAMPLE and result.get("sampling") == "poisson"
     return bar
 
 
@@ -191,9 +200,7 @@ def bars(results: list[dict]) -> list[Bar]:
     """One bar per successful experiment, by sequence length, variant, then mode table order."""
     ok = sorted((r for r in results if r.get("status") == "ok"), key=_sort_key)
     floor = {
-        (r["config"]["seq_length"], _variant(r)): r["step_ms"]["median"]
-        for r in ok
-        if r["config"]["mode"] == "no_dp"
+        (r["config"]["seq_length"], _variant(r)): r for r in ok if r["config"]["mode"] == "no_dp"
     }
     return [stack(r, floor.get((r["config"]["seq_length"], _variant(r)))) for r in ok]
 
@@ -204,8 +211,11 @@ def off_bars(all_bars: list[Bar], tolerance: float = TOLERANCE) -> list[Bar]:
 
 
 def load(run_dir: Path) -> list[dict]:
-    """Every experiment JSON of a run."""
-    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
+    """Every experiment JSON of a run, with reconstructed per-step data where possible.
+
+    The same results as the summary table's (:func:`opacus_fsdp_sync.bench.throughput.load_run`).
+    """
+    return throughput.load_run(run_dir)
 
 
 def colors(names) -> dict[str, object]:
@@ -253,7 +263,7 @@ def _bar_note(bar: Bar) -> str:
     """The measured step, its ratio to ``no_dp``, and the phases timed outside it, in brackets."""
     note = f" {bar.step_ms:.1f} ms"
     if bar.vs_no_dp is not None and bar.mode != "no_dp":
-        note += f", {bar.vs_no_dp:.2f}x no_dp"
+        note += f", {bar.vs_no_dp:.2f}x no_dp" + (" per example" if bar.per_example else "")
     outside = ", ".join(f"{p} {ms:.1f}" for p, ms in bar.outside.items())
     return note + (f" [{outside}]" if outside else "")
 

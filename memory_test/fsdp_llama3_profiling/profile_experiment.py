@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import get_mode
 from opacus_fsdp_sync.distributed.env import init_distributed
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
@@ -233,7 +234,7 @@ def run(cfg: ExperimentConfig) -> dict:
         logger.info("[Ghost] sampling: %s", how)
     ids, labels = _batches(cfg, vocab, rank)
     ids, labels = ids.to(device), labels.to(device)
-    batch_sizes: list[int] = []
+    batch_sizes: list[int] = []  # the local batch of every loop step: warm-up, measured, counted
     timer = StepTimer(enabled=True, device=device)
     counter = CollectiveCounter()
     saved = SavedTensorsMeter()
@@ -301,7 +302,7 @@ def run(cfg: ExperimentConfig) -> dict:
         }
         for p, kinds in counter.as_dict().items()
     }
-    median_s = statistics.median(step_ms) / 1e3
+    global_sizes = _global_batch_sizes(batch_sizes[cfg.warmup : cfg.warmup + cfg.steps], device)
     return {
         "config": dataclasses.asdict(cfg),
         "mode_description": mode.description,
@@ -323,9 +324,12 @@ def run(cfg: ExperimentConfig) -> dict:
         "sync_api": engine.sync_api if engine is not None else None,
         "phases_ms": {k: _summary(v) for k, v in per_phase.items()},
         "step_ms": _summary(step_ms),
-        "tokens_per_s": cfg.batch_size * cfg.seq_length * world / median_s,
+        "tokens_per_s": throughput.tokens_per_s(step_ms, global_sizes, cfg.seq_length),
+        "ms_per_example": throughput.per_example_ms(step_ms, global_sizes),
         "sampling": "poisson" if poisson else "fixed",
         "local_batch_sizes": batch_sizes,
+        "measured_step_ms": step_ms,
+        "measured_global_batch_sizes": global_sizes,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
@@ -334,6 +338,23 @@ def run(cfg: ExperimentConfig) -> dict:
         "losses": losses,
         "status": "ok",
     }
+
+
+def _global_batch_sizes(local: list[int], device: torch.device) -> list[int]:
+    """The measured steps' global batch sizes: one all-reduce of the local ones, summed.
+
+    Called after the loop, so that it is neither timed nor seen by the collective counter.
+
+    Args:
+        local: This rank's local batch size of each measured step, in loop order.
+        device: The rank's device (NCCL reduces CUDA tensors only).
+
+    Returns:
+        The sum over ranks of each step's local batch size.
+    """
+    sizes = torch.tensor(local, dtype=torch.int64, device=device)
+    dist.all_reduce(sizes)
+    return [int(b) for b in sizes.tolist()]
 
 
 def _norm_tuning(model) -> dict | None:

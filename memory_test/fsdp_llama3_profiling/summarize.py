@@ -1,7 +1,13 @@
 """Summary table of a run: Markdown and CSV from the experiments' JSON results.
 
-Each mode's median step time is given as a ratio to ``ghost_fsdp`` (upstream) and to ``no_dp``
-(the non-private floor) at the same sequence length.
+Each mode is compared with ``ghost_fsdp`` (upstream) and ``no_dp`` (the non-private floor) at the
+same sequence length and variant by its cost per example
+(:mod:`opacus_fsdp_sync.bench.throughput`): the median over the measured steps of the step's ms
+over its global batch. With Poisson sampling the batch varies from step to step, so the median
+step would rank the drawn batch sizes; with a fixed batch on both sides the ratio is the median
+step ratio. Results that record no per-step batch sizes, and cannot be reconstructed from the
+run's log (world size 1 only), are compared by median step, as before; the Markdown table's
+footnote says which basis each ratio used.
 
 Usage: ``python summarize.py RUN_DIR`` (writes ``summary.md`` and ``summary.csv`` there and prints
 the Markdown table). The Markdown table keeps a few columns (:data:`MD_COLUMNS`); the CSV has
@@ -11,10 +17,10 @@ every one (:data:`COLUMNS`).
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 
+from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import MODES
 
 COLUMNS = [
@@ -28,6 +34,8 @@ COLUMNS = [
     "vs_ghost_fsdp",
     "vs_no_dp",
     "tokens_per_s",
+    "ms_per_example",
+    "ratio_basis",
     "first_backward_ms",
     "norms_ms",
     "second_backward_ms",
@@ -93,8 +101,19 @@ def _variant(r: dict):
 
 
 def load(run_dir: Path) -> list[dict]:
-    """Loads every experiment JSON of a run (failed experiments included)."""
-    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("*.json"))]
+    """Loads every experiment JSON of a run (failed experiments included).
+
+    Results written before per-step batch sizes were recorded get them reconstructed where that
+    is exact (:func:`opacus_fsdp_sync.bench.throughput.load_run`).
+    """
+    return throughput.load_run(run_dir)
+
+
+def _basis(bases: dict[str, str]) -> str:
+    """The ``ratio_basis`` cell: the one basis of a row's ratios, or each ratio's."""
+    if len(set(bases.values())) == 1:
+        return next(iter(bases.values()))
+    return "; ".join(f"{col}: {b}" for col, b in bases.items())
 
 
 def rows(results: list[dict]) -> list[dict]:
@@ -102,9 +121,7 @@ def rows(results: list[dict]) -> list[dict]:
     base = {}
     for r in results:
         if r.get("status") == "ok":
-            base[(r["config"]["mode"], r["config"]["seq_length"], _variant(r))] = r["step_ms"][
-                "median"
-            ]
+            base[(r["config"]["mode"], r["config"]["seq_length"], _variant(r))] = r
     out = []
     order = {m: i for i, m in enumerate(MODES)}
 
@@ -130,13 +147,21 @@ def rows(results: list[dict]) -> list[dict]:
             ph = r["phases_ms"]
             up = base.get(("ghost_fsdp", cfg["seq_length"], _variant(r)))
             floor = base.get(("no_dp", cfg["seq_length"], _variant(r)))
+            ratios = {
+                col: throughput.ratio(r, ref)
+                for col, ref in (("vs_no_dp", floor), ("vs_ghost_fsdp", up))
+                if ref is not None
+            }
+            cost = throughput.cost(r)
             row.update(
                 step_ms_median=f"{med:.1f}",
                 step_ms_min=f"{r['step_ms']['min']:.1f}",
                 step_ms_max=f"{r['step_ms']['max']:.1f}",
-                vs_ghost_fsdp=f"{med / up:.3f}" if up else "",
-                vs_no_dp=f"{med / floor:.3f}" if floor else "",
-                tokens_per_s=f"{r['tokens_per_s']:.0f}",
+                vs_ghost_fsdp=f"{ratios['vs_ghost_fsdp'][0]:.3f}" if up else "",
+                vs_no_dp=f"{ratios['vs_no_dp'][0]:.3f}" if floor else "",
+                tokens_per_s=f"{cost.tokens_per_s if cost else r['tokens_per_s']:.0f}",
+                ms_per_example=f"{cost.ms_per_example:.2f}" if cost else "",
+                ratio_basis=_basis({c: b for c, (_, b) in ratios.items()}) if ratios else "",
                 first_backward_ms=_phase_median(ph, "first_backward"),
                 norms_ms=_phase_median(ph, "norms"),
                 second_backward_ms=_phase_median(ph, "second_backward"),
@@ -180,6 +205,11 @@ def markdown(table: list[dict], results: list[dict]) -> str:
             "Sampling: `poisson` rows draw each batch by the shared Poisson sampler (local sizes "
             "vary around the batch; `sampling_ms`, outside the step, is the draw, split and "
             "collate); `fixed` rows reuse one batch.",
+            "Columns: `vs_no_dp` / `vs_ghost_fsdp` divide the row's cost per example (median "
+            "over the measured steps of step ms / global batch, `ms_per_example` in the CSV) by "
+            "that of `no_dp` / `ghost_fsdp` at the same length and variant (with a fixed batch "
+            "on both sides: the median step ratio); `tokens_per_s`: tokens processed in the "
+            "measured steps / their summed time.",
             "",
         ]
     lines.append("| " + " | ".join(MD_COLUMNS) + " |")
@@ -187,8 +217,54 @@ def markdown(table: list[dict], results: list[dict]) -> str:
     for row in table:
         cells = dict(row, collectives_per_step=collectives(row))
         lines.append("| " + " | ".join(str(cells.get(c, "")) for c in MD_COLUMNS) + " |")
+    for note in footnotes(table, results):
+        lines += ["", note]
     lines += ["", "Every column (min/max, phases, bytes, memory): `summary.csv`."]
     return "\n".join(lines) + "\n"
+
+
+def _names(rows: list[dict]) -> str:
+    return ", ".join(f"`{r['mode']}` (seq {r['seq']}, {r['api']})" for r in rows)
+
+
+def footnotes(table: list[dict], results: list[dict]) -> list[str]:
+    """The lines under the table: which basis the ratios used, and what was reconstructed.
+
+    Args:
+        table: The rows of :func:`rows`.
+        results: The results they were made from (:func:`load`).
+
+    Returns:
+        One paragraph (a line) per fact; none for a table without ratios.
+    """
+    compared = [r for r in table if r.get("ratio_basis")]
+    by_median = [r for r in compared if throughput.MEDIAN_STEP in r["ratio_basis"]]
+    lines = []
+    if compared and not by_median:
+        lines.append("Ratios: cost per example in every row.")
+    elif by_median and all(r["ratio_basis"] == throughput.MEDIAN_STEP for r in compared):
+        lines.append(
+            "Ratios: median step times in every row (these results record no per-step batch "
+            "sizes; with Poisson sampling a median step ranks the drawn batch sizes too); "
+            "`tokens_per_s`: nominal batch x seq / median step."
+        )
+    elif by_median:
+        lines.append(
+            "Ratios: cost per example, except median step times (`ratio_basis` in the CSV) in "
+            f"{_names(by_median)}; where a row records no per-step batch sizes, its "
+            "`tokens_per_s` is the nominal batch x seq / median step."
+        )
+    rebuilt = [r for r in results if (c := throughput.cost(r)) is not None and c.reconstructed]
+    if rebuilt:
+        lines.append(
+            "Reconstructed (results written before per-step batch sizes were recorded; world "
+            "size 1, so the local batch is the global one): the measured steps' batch sizes "
+            "from `local_batch_sizes` (warm-up, measured, counted steps in loop order), their "
+            "times from `logs/{name}.log` (0.1 ms; a fixed batch keeps the recorded median), for "
+            + ", ".join(f"`{r['config'].get('name') or r['config']['mode']}`" for r in rebuilt)
+            + "."
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

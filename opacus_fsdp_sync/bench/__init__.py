@@ -4,6 +4,8 @@
   comparison suite (CLI ``opacus-fsdp-sync-compare``).
 - :mod:`opacus_fsdp_sync.bench.modes`: the profiling suite's modes, read by the harness under
   ``memory_test/fsdp_llama3_profiling/`` and by the tests.
+- :mod:`opacus_fsdp_sync.bench.throughput`: the suite's cost per example and tokens per second
+  over the measured steps, by which its tables and plots compare modes.
 
 The core package (everything outside this subpackage and the two re-export shims
 ``opacus_fsdp_sync.compare`` and ``opacus_fsdp_sync.profiling.modes``) does not import it;
