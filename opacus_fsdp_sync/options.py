@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -117,6 +118,12 @@ class GhostOptions:
             tune_norms=False,
             timing=self.timing,
         )
+
+
+def split_options(kwargs: dict) -> dict:
+    """Removes the :class:`GhostOptions` fields from ``kwargs`` and returns them."""
+    names = {f.name for f in dataclasses.fields(GhostOptions)}
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
 
 
 def default_budget(device: torch.device) -> int:

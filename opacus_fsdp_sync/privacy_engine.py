@@ -28,7 +28,7 @@ from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
 from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
-from .options import GhostOptions, decide_keep_unsharded
+from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
@@ -153,39 +153,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _options_now(self) -> GhostOptions:
         return dataclasses.replace(self.options, **self._call_overrides).effective
 
-    def make_private(
-        self,
-        *,
-        sync_optimization: bool | None = None,
-        timing: bool | None = None,
-        restricted_first_pass: bool | None = None,
-        keep_unsharded: bool | str | None = None,
-        keep_unsharded_budget_bytes: int | None = None,
-        one_backward: bool | None = None,
-        fast_norms: bool | None = None,
-        gram_block: int | str | None = None,
-        per_sample_grads: bool | str | None = None,
-        per_sample_grads_budget_bytes: int | None = None,
-        tune_norms: bool | str | None = None,
-        tune_norms_cache: str | None = None,
-        **kwargs,
-    ):
+    def make_private(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
 
         Args:
-            sync_optimization: Overrides :class:`GhostOptions` for this model (None: keep).
-            timing: Likewise.
-            restricted_first_pass: Likewise.
-            keep_unsharded: Likewise.
-            keep_unsharded_budget_bytes: Likewise.
-            one_backward: Likewise.
-            fast_norms: Likewise.
-            gram_block: Likewise.
-            per_sample_grads: Likewise.
-            per_sample_grads_budget_bytes: Likewise.
-            tune_norms: Likewise.
-            tune_norms_cache: Likewise.
-            **kwargs: Every argument of Opacus's ``make_private``.
+            **kwargs: Every argument of Opacus's ``make_private``, and any field of
+                :class:`GhostOptions` (``one_backward=False``, ...) to override for this model
+                (None: keep the engine's).
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` for ghost modes, as Opacus does.
@@ -194,21 +168,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             UnsupportedConfigurationError: for what the sync-skipping step cannot do (FSDP1
                 layouts, DDP ``static_graph=True``); the message names the way out.
         """
-        overrides = dict(
-            sync_optimization=sync_optimization,
-            timing=timing,
-            restricted_first_pass=restricted_first_pass,
-            keep_unsharded=keep_unsharded,
-            keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
-            one_backward=one_backward,
-            fast_norms=fast_norms,
-            gram_block=gram_block,
-            per_sample_grads=per_sample_grads,
-            per_sample_grads_budget_bytes=per_sample_grads_budget_bytes,
-            tune_norms=tune_norms,
-            tune_norms_cache=tune_norms_cache,
-        )
-        with self._call_options(overrides):
+        with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._plan = self._plan_call(kwargs, opts)
             #: The options the last model made private runs with (engine's and the call's).
@@ -278,9 +238,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             **kwargs: Every argument of Opacus's ``make_private_with_epsilon``, and the
                 per-model options of :meth:`make_private`.
         """
-        names = {f.name for f in dataclasses.fields(GhostOptions)}
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        with self._call_options(overrides):
+        with self._call_options(split_options(kwargs)):
             return super().make_private_with_epsilon(**kwargs)
 
     def _prepare_data_loader(
