@@ -26,6 +26,7 @@ from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
+from .one_backward.memory import MemoryBudget, MemoryPlan
 from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
@@ -92,7 +93,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
             ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
             ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``tune_norms``,
-            ``tune_norms_cache``, ``timing``).
+            ``tune_norms_cache``, ``one_backward_memory_budget``, ``timing``).
     """
 
     def __init__(
@@ -411,6 +412,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
             restricted_first_pass=opts.restricted_first_pass,
             handoff=handoff,
             optimizer_ops=optimizer_ops(optimizer),
+            memory=None
+            if handoff is None
+            else MemoryBudget(
+                opts.one_backward_memory_budget,
+                device,
+                distributed=record.capabilities.distributed and world_size() > 1,
+            ),
         )
         hooks = step_hooks(module)
         hooks.use_timer(self._context.timer, norms=timing)
@@ -446,6 +454,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def last_step_kept_bytes(self) -> int:
         """One backward: bytes held from the first pass to the gradient phase in the last step."""
         return 0 if self._context is None else self._context.kept_bytes
+
+    @property
+    def last_step_memory(self) -> MemoryPlan | None:
+        """One backward under a budget: the last step's plan (bytes needed, budget, choice)."""
+        memory = None if self._context is None else self._context.memory
+        return None if memory is None else memory.last
 
     @property
     def last_step_timings(self) -> dict[str, float]:
