@@ -76,6 +76,10 @@ class GhostOptions:
     ``Linear`` layers whose per-sample gradients are smaller take them until the step fits,
     else the step takes two backward passes (both exact; logged once each). None: on CUDA the
     free device memory less a margin (:func:`auto_memory_budget`), on CPU no limit."""
+    tune_norms_memory_budget: int | None = None
+    """Bytes one ``tune_norms`` candidate's working set may take (Gram matrices: ``4 N T^2``
+    each in fp32); a candidate over it is never timed (logged). None: as
+    ``one_backward_memory_budget``'s automatic budget."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -108,7 +112,7 @@ class GhostOptions:
         budget = self.keep_unsharded_budget_bytes
         if budget is not None and budget < 0:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
-        for name in ("one_backward_memory_budget",):
+        for name in ("one_backward_memory_budget", "tune_norms_memory_budget"):
             check_budget(name, getattr(self, name))
 
     @property

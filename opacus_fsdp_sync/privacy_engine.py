@@ -93,7 +93,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
             ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
             ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``tune_norms``,
-            ``tune_norms_cache``, ``one_backward_memory_budget``, ``timing``).
+            ``tune_norms_cache``, ``one_backward_memory_budget``, ``tune_norms_memory_budget``,
+            ``timing``).
     """
 
     def __init__(
@@ -431,6 +432,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 gram_block=opts.gram_block,
                 distributed=record.capabilities.distributed,
                 timer=self._context.timer,
+                memory_budget=opts.tune_norms_memory_budget,
             )
             if hooks.configure_norms(policy=policy, gram_block=opts.gram_block, tuner=tuner):
                 logger.info(

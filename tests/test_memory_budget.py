@@ -167,8 +167,8 @@ def test_bad_budgets_are_refused_naming_the_option():
     for bad in (-1, 1.5, "8GiB", True):
         with pytest.raises(ValueError, match=r"one_backward_memory_budget=.*whole number of bytes"):
             GhostOptions(one_backward_memory_budget=bad)
-        with pytest.raises(ValueError, match="one_backward_memory_budget="):
-            PrivacyEngine(one_backward_memory_budget=bad)
+        with pytest.raises(ValueError, match="tune_norms_memory_budget="):
+            PrivacyEngine(tune_norms_memory_budget=bad)
 
 
 def test_the_automatic_budget_is_free_cuda_memory_less_a_margin(monkeypatch):
