@@ -22,6 +22,8 @@ from .distributed.single import NullController
 from .errors import attach_cleanup_error
 from .hooks.contract import StepHooks
 from .hooks.ghost import step_hooks
+from .hooks.kept import kept_bytes
+from .one_backward.memory import MemoryBudget
 from .optimizers.ops import OpacusOptimizerOps
 from .profiling.phases import phase
 from .profiling.timers import StepTimer
@@ -50,6 +52,9 @@ class GhostStepContext:
     kept_bytes: int = 0
     """One backward: bytes of layer inputs and output gradients held from the first pass until
     the gradient phase, in the last step."""
+    memory: MemoryBudget | None = None
+    """Checks what one backward will keep against ``one_backward_memory_budget`` before each
+    first pass (:mod:`.one_backward.memory`); None: no check."""
     fallbacks: set[str] = field(default_factory=set)
     """Fallbacks already logged (each is logged once, as a warning)."""
 
@@ -163,7 +168,18 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "loss + reg): one backward cannot see it, so the step takes two backward passes"
             )
         one = restricted and self.context.handoff is not None and not self.direct_terms
-        hooks.begin_first_pass(keep=one)
+        plan = None
+        if one and self.context.memory is not None:
+            try:  # before anything is kept; a collective when distributed
+                plan = self.context.memory.plan(hooks)
+            except BaseException as err:
+                self._clean_up_failed_step(err, hooks)
+                raise
+            one = plan is None or not plan.two_pass
+        if plan is not None and one:
+            hooks.begin_first_pass(keep=one, per_sample=plan.per_sample, headroom=plan.headroom)
+        else:
+            hooks.begin_first_pass(keep=one)
         first_error: BaseException | None = None
         try:
             with phase("first_backward"), timer.phase("first_backward"):
@@ -240,23 +256,18 @@ class SyncDPTensor(DPTensorFastGradientClipping):
 
         timer = self.context.timer
         kept = hooks.take_kept()
-        held = {
-            id(t): t.numel() * t.element_size()
-            for _, inputs, grad in kept
-            for t in (list(grad.values()) if inputs is None else [*inputs, grad])
-            if isinstance(t, torch.Tensor)
-        }
+        held = kept_bytes(kept)
         if self.context.kept_bytes == 0:
             psg = sum(1 for _, inputs, _ in kept if inputs is None)
             logger_ghost.info(
                 "[Ghost] one backward holds %.1f MiB of layer inputs, output gradients and "
                 "per-sample gradients between the first pass and the gradient phase "
                 "(%d layers from per-sample gradients, %d from their inputs and output gradients)",
-                sum(held.values()) / 2**20,
+                held / 2**20,
                 psg,
                 len(kept) - psg,
             )
-        self.context.kept_bytes = sum(held.values())
+        self.context.kept_bytes = held
         type_of = hooks.layer_type
         handoff = self.context.handoff
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -69,6 +70,16 @@ class GhostOptions:
     tune_norms_cache: str | None = None
     """JSON file of tuned plans, keyed by device name and torch version, read at the start and
     extended by what a run tunes. None: ``OPACUS_FSDP_SYNC_NORM_PLAN`` if set, else no file."""
+    one_backward_memory_budget: int | None = None
+    """Bytes one backward may keep from its first pass to its gradient phase (the layers' inputs
+    and output gradients, or per-sample gradients), checked before each first pass: over it,
+    ``Linear`` layers whose per-sample gradients are smaller take them until the step fits,
+    else the step takes two backward passes (both exact; logged once each). None: on CUDA the
+    free device memory less a margin (:func:`auto_memory_budget`), on CPU no limit."""
+    tune_norms_memory_budget: int | None = None
+    """Bytes one ``tune_norms`` candidate's working set may take (Gram matrices: ``4 N T^2``
+    each in fp32); a candidate over it is never timed (logged). None: as
+    ``one_backward_memory_budget``'s automatic budget."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -101,6 +112,8 @@ class GhostOptions:
         budget = self.keep_unsharded_budget_bytes
         if budget is not None and budget < 0:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
+        for name in ("one_backward_memory_budget", "tune_norms_memory_budget"):
+            check_budget(name, getattr(self, name))
 
     @property
     def effective(self) -> GhostOptions:
@@ -117,6 +130,54 @@ class GhostOptions:
             tune_norms=False,
             timing=self.timing,
         )
+
+
+def split_options(kwargs: dict) -> dict:
+    """Removes the :class:`GhostOptions` fields from ``kwargs`` and returns them."""
+    names = {f.name for f in dataclasses.fields(GhostOptions)}
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+
+
+def check_budget(name: str, value: object) -> None:
+    """Raises unless ``value`` is None or a whole number of bytes >= 0.
+
+    Raises:
+        ValueError: naming the option and what to pass.
+    """
+    if value is None or (type(value) is int and value >= 0):
+        return
+    raise ValueError(
+        f"{name}={value!r}: pass a whole number of bytes >= 0 (for example 8 * 2**30 for "
+        "8 GiB), or None for the automatic budget"
+    )
+
+
+#: The automatic budgets' margin on CUDA: this share of the device's memory (at least
+#: :data:`MIN_MARGIN_BYTES`) is left free (see :func:`auto_memory_budget`).
+MARGIN_SHARE = 0.1
+MIN_MARGIN_BYTES = 2 * 2**30
+
+
+def auto_memory_budget(device: torch.device) -> int | None:
+    """The automatic memory budget: on CUDA what is free now less a margin; elsewhere None.
+
+    Free is the driver's free memory (``torch.cuda.mem_get_info``) plus what PyTorch's caching
+    allocator holds unused (``memory_reserved - memory_allocated``: freed blocks it reuses). The
+    margin, a tenth of the device's memory and at least 2 GiB, is for what the step allocates
+    beside the bytes a budget counts: the gradient phase's clipped gradients (on one device and
+    DDP a full gradient copy, under FSDP one group's unsharded gradients and its reduce-scatter
+    buffers), the backward's transient activation gradients and norm work, workspaces that
+    cuBLAS and NCCL create on first use, and the allocator's rounding and fragmentation, none
+    of which the bytes kept or a candidate's working set include. The one-backward check also
+    counts layer inputs that are already allocated as if they were new, which leaves more slack.
+    On CPU, where a process can page rather than fail, there is no automatic limit.
+    """
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    margin = max(int(total * MARGIN_SHARE), MIN_MARGIN_BYTES)
+    return max(0, free + cached - margin)
 
 
 def default_budget(device: torch.device) -> int:

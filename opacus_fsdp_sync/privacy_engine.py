@@ -26,9 +26,10 @@ from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
+from .one_backward.memory import MemoryBudget, MemoryPlan
 from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
-from .options import GhostOptions, decide_keep_unsharded
+from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
@@ -92,7 +93,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             (``sync_optimization``, ``restricted_first_pass``, ``keep_unsharded``,
             ``keep_unsharded_budget_bytes``, ``one_backward``, ``fast_norms``, ``gram_block``,
             ``per_sample_grads``, ``per_sample_grads_budget_bytes``, ``tune_norms``,
-            ``tune_norms_cache``, ``timing``).
+            ``tune_norms_cache``, ``one_backward_memory_budget``, ``tune_norms_memory_budget``,
+            ``timing``).
     """
 
     def __init__(
@@ -153,39 +155,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _options_now(self) -> GhostOptions:
         return dataclasses.replace(self.options, **self._call_overrides).effective
 
-    def make_private(
-        self,
-        *,
-        sync_optimization: bool | None = None,
-        timing: bool | None = None,
-        restricted_first_pass: bool | None = None,
-        keep_unsharded: bool | str | None = None,
-        keep_unsharded_budget_bytes: int | None = None,
-        one_backward: bool | None = None,
-        fast_norms: bool | None = None,
-        gram_block: int | str | None = None,
-        per_sample_grads: bool | str | None = None,
-        per_sample_grads_budget_bytes: int | None = None,
-        tune_norms: bool | str | None = None,
-        tune_norms_cache: str | None = None,
-        **kwargs,
-    ):
+    def make_private(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private`, plus per-model options.
 
         Args:
-            sync_optimization: Overrides :class:`GhostOptions` for this model (None: keep).
-            timing: Likewise.
-            restricted_first_pass: Likewise.
-            keep_unsharded: Likewise.
-            keep_unsharded_budget_bytes: Likewise.
-            one_backward: Likewise.
-            fast_norms: Likewise.
-            gram_block: Likewise.
-            per_sample_grads: Likewise.
-            per_sample_grads_budget_bytes: Likewise.
-            tune_norms: Likewise.
-            tune_norms_cache: Likewise.
-            **kwargs: Every argument of Opacus's ``make_private``.
+            **kwargs: Every argument of Opacus's ``make_private``, and any field of
+                :class:`GhostOptions` (``one_backward=False``, ...) to override for this model
+                (None: keep the engine's).
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` for ghost modes, as Opacus does.
@@ -194,21 +170,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             UnsupportedConfigurationError: for what the sync-skipping step cannot do (FSDP1
                 layouts, DDP ``static_graph=True``); the message names the way out.
         """
-        overrides = dict(
-            sync_optimization=sync_optimization,
-            timing=timing,
-            restricted_first_pass=restricted_first_pass,
-            keep_unsharded=keep_unsharded,
-            keep_unsharded_budget_bytes=keep_unsharded_budget_bytes,
-            one_backward=one_backward,
-            fast_norms=fast_norms,
-            gram_block=gram_block,
-            per_sample_grads=per_sample_grads,
-            per_sample_grads_budget_bytes=per_sample_grads_budget_bytes,
-            tune_norms=tune_norms,
-            tune_norms_cache=tune_norms_cache,
-        )
-        with self._call_options(overrides):
+        with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._plan = self._plan_call(kwargs, opts)
             #: The options the last model made private runs with (engine's and the call's).
@@ -278,9 +240,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             **kwargs: Every argument of Opacus's ``make_private_with_epsilon``, and the
                 per-model options of :meth:`make_private`.
         """
-        names = {f.name for f in dataclasses.fields(GhostOptions)}
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        with self._call_options(overrides):
+        with self._call_options(split_options(kwargs)):
             return super().make_private_with_epsilon(**kwargs)
 
     def _prepare_data_loader(
@@ -453,6 +413,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
             restricted_first_pass=opts.restricted_first_pass,
             handoff=handoff,
             optimizer_ops=optimizer_ops(optimizer),
+            memory=None
+            if handoff is None
+            else MemoryBudget(
+                opts.one_backward_memory_budget,
+                device,
+                distributed=record.capabilities.distributed and world_size() > 1,
+            ),
         )
         hooks = step_hooks(module)
         hooks.use_timer(self._context.timer, norms=timing)
@@ -465,6 +432,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 gram_block=opts.gram_block,
                 distributed=record.capabilities.distributed,
                 timer=self._context.timer,
+                memory_budget=opts.tune_norms_memory_budget,
             )
             if hooks.configure_norms(policy=policy, gram_block=opts.gram_block, tuner=tuner):
                 logger.info(
@@ -488,6 +456,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def last_step_kept_bytes(self) -> int:
         """One backward: bytes held from the first pass to the gradient phase in the last step."""
         return 0 if self._context is None else self._context.kept_bytes
+
+    @property
+    def last_step_memory(self) -> MemoryPlan | None:
+        """One backward under a budget: the last step's plan (bytes needed, budget, choice)."""
+        memory = None if self._context is None else self._context.memory
+        return None if memory is None else memory.last
 
     @property
     def last_step_timings(self) -> dict[str, float]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
 import torch
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.layers.linear import LinearRoom
 from opacus_fsdp_sync.norm_tuner import (
     Candidate,
     Choice,
@@ -18,6 +20,7 @@ from opacus_fsdp_sync.norm_tuner import (
     tuning_wanted,
 )
 from opacus_fsdp_sync.profiling import StepTimer
+from opacus_fsdp_sync.profiling.memory import size_text
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads, run_ranks
 from tests import workers_tuner
 from tests.models import SharedInputSeqNet, seq_sample_loss
@@ -248,6 +251,39 @@ def test_candidates_follow_the_options():
     ]
     fixed = NormTuner(device=torch.device("cpu"), gram_block=16)  # an explicit block is kept
     assert fixed.candidates(key, per_sample=False) == [Candidate(16)]
+
+
+def test_a_candidate_over_the_memory_budget_is_never_timed_nor_chosen(setup, caplog):
+    """Full Grams are the fastest by the injected costs but over the budget (their working set,
+    12 N T^2 bytes in fp32, is twice the 4-token blocks' here): skipped, logged, not timed."""
+    layer = torch.nn.Linear(16, 12)
+    a, g = torch.randn(2, 10, 16), torch.randn(2, 10, 12)
+    full = LinearRoom.working_set(layer, a, g, Candidate(0), with_weight_grad=False)
+    blocked = LinearRoom.working_set(layer, a, g, Candidate(4), with_weight_grad=False)
+    assert full == 12 * 2 * 10 * 10 and blocked < full
+    timed = []
+
+    def cost(key, cand):
+        timed.append(cand)
+        return 1.0 if cand == Candidate(0) else 2.0
+
+    free = NormTuner(device=torch.device("cpu"), cost_fn=cost, blocks=(4,))
+    assert free.choose(layer, a, g) == Choice(block=0)  # control: no budget, full Grams win
+    timed.clear()
+    tuner = NormTuner(device=torch.device("cpu"), cost_fn=cost, blocks=(4,), memory_budget=blocked)
+    with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
+        assert tuner.choose(layer, a, g) == Choice(block=4)
+    assert timed == [Candidate(4)]
+    assert tuner.skipped == {next(iter(tuner.table)): {Candidate(0): full}}
+    lines = [r.getMessage() for r in caplog.records if "not timed" in r.getMessage()]
+    assert len(lines) == 1 and f"full Grams ({size_text(full)})" in lines[0], lines
+    assert f"tuning budget of {size_text(blocked)}" in lines[0]
+    timed.clear()  # nothing fits: the least working set is taken untimed
+    tight = NormTuner(device=torch.device("cpu"), cost_fn=cost, blocks=(4,), memory_budget=1)
+    assert tight.choose(layer, a, g) == Choice(block=4) and timed == []
+    base, x, y, C = setup
+    _, gsm, _, _ = _private(base, C, tune_norms=True, tune_norms_memory_budget=blocked)
+    assert gsm.norm_tuner.memory_budget == blocked  # the option reaches the engine's tuner
 
 
 @pytest.mark.distributed

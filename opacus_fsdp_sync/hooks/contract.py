@@ -1,9 +1,11 @@
 """What the ghost-clipping step may call on the hooks: one named contract.
 
 The step (:mod:`opacus_fsdp_sync.backward`) runs a private backward as: begin the step (take the
-first pass's sources), say whether the first pass keeps what one backward needs, run the first
-pass and check every hooked layer reported, end the first pass, take the coefficients, then take
-what was kept (one backward) or run the second pass with the hooks disabled; a failed step aborts.
+first pass's sources), under a memory budget estimate what one backward would keep, say whether
+the first pass keeps what one backward needs (and which layers keep per-sample gradients), run
+the first pass and check every hooked layer reported, end the first pass, take the
+coefficients, then take what was kept (one backward) or run the second pass with the hooks
+disabled; a failed step aborts.
 :class:`StepHooks` names every call; our hooks classes (:mod:`.ghost`) implement it, and a model
 that Opacus's own classes wrapped before ``make_private`` is driven through
 :class:`OpacusStepHooks`, which does nothing where ours keep book.
@@ -11,6 +13,7 @@ that Opacus's own classes wrapped before ``make_private`` is driven through
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +25,20 @@ from torch import nn
 #: What one backward keeps per layer: ``(layer, inputs, output gradient)``, or
 #: ``(layer, None, per-sample gradients by parameter name)``.
 Kept = list[tuple[nn.Module, object, object]]
+
+
+@dataclass(frozen=True)
+class KeptLayer:
+    """What one hooked layer would keep for one backward, known before the backward runs."""
+
+    layer: int
+    """``id`` of the layer."""
+    inputs: tuple[tuple[tuple, int], ...]
+    """``(memory key, bytes)`` per input tensor; layers reading one tensor share its key."""
+    grad_out: int
+    """Bytes of its output gradient."""
+    per_sample: int | None
+    """Bytes of its per-sample gradients where it can keep those instead, else None."""
 
 
 class StepHooks(Protocol):
@@ -43,8 +60,22 @@ class StepHooks(Protocol):
         """Forgets the last step's norms; returns this step's first-pass sources (may be empty)."""
         ...
 
-    def begin_first_pass(self, *, keep: bool) -> None:
-        """Whether the first pass keeps each layer's inputs and output gradient (one backward)."""
+    def keep_estimate(self) -> list[KeptLayer]:
+        """After the forward: what each captured layer would keep if the first pass kept."""
+        ...
+
+    def begin_first_pass(
+        self, *, keep: bool, per_sample: frozenset[int] = frozenset(), headroom: int | None = None
+    ) -> None:
+        """Whether the first pass keeps each layer's inputs and output gradient (one backward).
+
+        Args:
+            keep: Keep them (one backward).
+            per_sample: Layers (ids) that keep per-sample gradients instead, whatever the
+                per-sample gradient policy would choose.
+            headroom: Bytes that per-sample gradients the policy chooses in this pass may add
+                to what is kept (None: no limit).
+        """
         ...
 
     def check_all_reported(self) -> None:
@@ -124,7 +155,13 @@ class OpacusStepHooks:
         """No sources: Opacus's classes do not record them."""
         return []
 
-    def begin_first_pass(self, *, keep: bool) -> None:
+    def keep_estimate(self) -> list[KeptLayer]:
+        """Nothing would be kept."""
+        return []
+
+    def begin_first_pass(
+        self, *, keep: bool, per_sample: frozenset[int] = frozenset(), headroom: int | None = None
+    ) -> None:
         """Nothing to keep (``keep`` is False without sources)."""
 
     def check_all_reported(self) -> None:

@@ -17,6 +17,7 @@ from opacus.utils.module_utils import requires_grad
 from torch import nn
 
 from .._torch_compat import in_backward
+from .kept import output_meta
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -46,6 +47,8 @@ class PassTrackingMixin:
         #: When True, each layer's inputs and output gradient are kept for the one-backward step.
         self.keep_for_grads = False
         self._kept: list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]] = []
+        #: Each captured layer's output shape and dtype (its output gradient's), by ``id``.
+        self._outputs: dict[int, tuple] = {}
         self._norm_timer = None
 
     def time_norms(self, timer) -> None:
@@ -76,6 +79,7 @@ class PassTrackingMixin:
 
     def _record_pass_inputs(self, module, forward_input, forward_output) -> None:
         self._captured[id(module)] = module
+        self._outputs[id(module)] = output_meta(forward_output)
         if not any(t.requires_grad for t in _tensors(forward_input)):
             self._sources.extend(t for t in _tensors(forward_output) if t.requires_grad)
 
@@ -122,7 +126,7 @@ class PassTrackingMixin:
             MissedHookError: naming the layers whose norms would be stale.
         """
         missing = [m for k, m in self._captured.items() if k not in self._reported]
-        self._captured, self._reported = {}, set()
+        self._captured, self._reported, self._outputs = {}, set(), {}
         if missing:
             names = ", ".join(sorted({type(m).__name__ for m in missing}))
             raise MissedHookError(
@@ -134,3 +138,4 @@ class PassTrackingMixin:
     def forget_pass(self) -> None:
         """Drops what a failed step recorded."""
         self._sources, self._captured, self._reported, self._kept = [], {}, set(), []
+        self._outputs = {}

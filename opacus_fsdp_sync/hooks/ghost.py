@@ -25,8 +25,9 @@ from torch import nn
 from .._torch_compat import in_backward
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
-from .contract import OpacusStepHooks, StepHooks, reset_opacus_step_state
+from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
+from .kept import estimate, linear_per_sample_bytes
 from .replay import ReplayMixin
 from .step_norms import StepNormsMixin
 from .tied import TiedNormMixin
@@ -98,9 +99,32 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         self.reset_norms()
         return self.take_first_pass_sources()
 
-    def begin_first_pass(self, *, keep: bool) -> None:
-        """Whether the first pass keeps each layer's inputs and output gradient (one backward)."""
+    def keep_estimate(self) -> list[KeptLayer]:
+        """What each layer captured in this forward would keep (:func:`.kept.estimate`)."""
+        captured = self._captured.values()
+        return estimate(captured, self._outputs, self._per_sample_bytes)
+
+    def _per_sample_bytes(self, module: nn.Module, inputs: list, meta: tuple) -> int | None:
+        """Per-sample gradient bytes of a layer that can take them (fast norms, one backward)."""
+        if (
+            self.per_sample_policy is None
+            or self._get_type(module) is not nn.Linear
+            or module in self._tied_by_module
+        ):
+            return None
+        return linear_per_sample_bytes(module, inputs, meta)
+
+    def begin_first_pass(
+        self, *, keep: bool, per_sample: frozenset[int] = frozenset(), headroom: int | None = None
+    ) -> None:
+        """Whether the first pass keeps each layer's inputs and output gradient (one backward).
+
+        ``per_sample`` and ``headroom`` go to the per-sample gradient policy
+        (:meth:`~..layers.linear_policy.PerSampleGradPolicy.limit`).
+        """
         self.keep_for_grads = keep
+        if self.per_sample_policy is not None:
+            self.per_sample_policy.limit(per_sample, headroom)
 
     def end_first_pass(self, *, completed: bool, restricted: bool) -> None:
         """Drops the shared Grams, ends the tuner's pass (if ``completed``), stops keeping.

@@ -39,7 +39,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from torch import nn
 
-from .linear_grams import contract_output_grams, resolve_block, upper_gram, widen
+from .linear_grams import contract_output_grams, resolve_block, row_blocks, upper_gram, widen
 from .registry import LayerRoom, register_layer
 
 
@@ -289,6 +289,36 @@ class LinearRoom(LayerRoom):
         """
         out = [Candidate(block=b) for b in dict.fromkeys(blocks)]
         return out + ([Candidate(per_sample=True)] if per_sample and weight else [])
+
+    @staticmethod
+    def working_set(
+        layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, c: Candidate, *, with_weight_grad: bool
+    ) -> int:
+        """Bytes that strategy ``c`` allocates at once on input ``a`` and output gradient ``g``.
+
+        Per-sample gradients: ``N d_out (d_in + 1)`` values in ``g``'s dtype (and in fp32 for
+        narrower dtypes), and their weighted sum. A Gram strategy in row blocks of ``b`` tokens
+        (0: one block): every row block of the input Gram (:func:`.linear_grams.upper_gram`,
+        held for all of its readers), plus the largest row block of the output-gradient Gram
+        with its product in fp32 (and an fp32 copy of the input block for narrower dtypes); full
+        Grams take about ``12 N T^2`` bytes in fp32. ``with_weight_grad`` adds the
+        weight-gradient matmul's output (timed with the Gram strategies when per-sample
+        gradients compete).
+        """
+        n, t, d_in = a.shape
+        d_out = g.shape[-1]
+        ea, eg = a.element_size(), g.element_size()
+        weight = layer.weight.requires_grad
+        wide = max(4, eg)
+        if c.per_sample:  # narrower dtypes: the norms may read them through an fp32 copy
+            return (n * (eg + (wide if eg < wide else 0)) + wide) * d_out * (d_in + 1)
+        total = d_in * d_out * eg if with_weight_grad and weight else 0
+        if not weight:  # bias only: no Gram at all
+            return total + n * d_out * wide
+        blocks = row_blocks(t, c.block)
+        total += n * ea * sum(w * (t - s) for s, w in blocks)
+        first = n * blocks[0][1] * t  # the widest row block, rows 0 .. w against all columns
+        return total + first * (eg + wide + (wide if ea < wide else 0))
 
     @staticmethod
     def work(

@@ -44,6 +44,14 @@ class PerSampleGradPolicy:
     norm at the FLOPs of the upper block triangle."""
     active: bool = False
     """Set per backward by the first pass: True only when its gradients will be kept."""
+    forced: frozenset[int] = frozenset()
+    """Set per backward by the one-backward memory budget: layers (ids) that take per-sample
+    gradients whatever the cost rule and ``budget_bytes`` say (they make the step fit)."""
+    headroom: int | None = None
+    """Set per backward by the memory budget: bytes that the per-sample gradients this policy
+    chooses may add to what one backward keeps, each counted as its bytes less the output
+    gradient it replaces (None: no limit)."""
+    added: int = 0
     used_bytes: int = 0
     taken: int = 0
     declined: int = 0
@@ -51,8 +59,13 @@ class PerSampleGradPolicy:
 
     def reset(self) -> None:
         """Starts a new step's accounting (and forgets anything a failed step left)."""
-        self.used_bytes = self.taken = self.declined = 0
+        self.used_bytes = self.taken = self.declined = self.added = 0
+        self.forced, self.headroom = frozenset(), None
         self.stash.clear()
+
+    def limit(self, forced: frozenset[int], headroom: int | None) -> None:
+        """This backward's :attr:`forced` layers and :attr:`headroom`."""
+        self.forced, self.headroom, self.added = frozenset(forced), headroom, 0
 
     def cheaper(
         self,
@@ -113,15 +126,27 @@ class PerSampleGradPolicy:
             return False
         n, t, d_in = a.shape
         d_out = g.shape[-1]
+        nbytes = n * d_in * d_out * g.element_size()
+        if id(layer) in self.forced:
+            self.used_bytes += nbytes
+            self.taken += 1
+            return True
         plain = type(a) is torch.Tensor and type(g) is torch.Tensor  # DTensors: full Grams
         if cheaper is None and self.only_when_cheaper:
             cheaper = self.cheaper(t, d_in, d_out, g.element_size(), a.device, blocked=plain)
         if self.only_when_cheaper and not cheaper:
             return False
-        nbytes = n * d_in * d_out * g.element_size()
         if self.used_bytes + nbytes > self.budget_bytes:
             self.declined += 1
             return False
+        if self.headroom is not None:
+            values = d_in * d_out if layer.weight.requires_grad else 0
+            values += d_out if layer.bias is not None and layer.bias.requires_grad else 0
+            grows = (n * values - g.numel()) * g.element_size()  # minus the output gradient
+            if self.added + grows > self.headroom:
+                self.declined += 1
+                return False
+            self.added += grows
         self.used_bytes += nbytes
         self.taken += 1
         return True

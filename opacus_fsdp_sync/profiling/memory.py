@@ -47,3 +47,11 @@ def memory_summary(device: torch.device) -> dict[str, float | str]:
     except OSError:  # not Linux
         pass
     return {"kind": "cpu", "rss_bytes": current, "peak_rss_bytes": peak_memory(device)["bytes"]}
+
+
+def size_text(n: float) -> str:
+    """Bytes for a log line: GiB, MiB or KiB, one decimal (small models would read 0.0 MiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"

@@ -14,7 +14,11 @@ What is timed is what differs in the step: for a Gram strategy, the layer's shar
 Gram (the Gram is computed once for all layers reading that input, see :mod:`..layers.linear`), its
 output-gradient Gram and the contraction, plus, when per-sample gradients are a candidate, the
 weight-gradient matmul the gradient phase then runs; for per-sample gradients, their batched
-matmul, norms and the weighted sum that replaces that matmul.
+matmul, norms and the weighted sum that replaces that matmul. A candidate whose working set
+(:meth:`~..layers.linear.LinearRoom.working_set`: full Gram matrices take ``4 N T^2`` bytes
+each in fp32, 16 GiB per sample at 64k tokens) is over ``tune_norms_memory_budget`` is never
+timed nor chosen (logged); if no Gram strategy fits, the one with the least working set is
+taken untimed.
 
 The key leaves the batch size out. Every candidate costs the same per sample (``N`` independent
 problems of one shape), so the ranking hardly depends on ``N``, while under Poisson sampling the
@@ -55,6 +59,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers.linear import Candidate, LinearRoom
+from ..options import auto_memory_budget
+from ..profiling.memory import size_text
 from .store import Choice, NormKey, device_name, dump_key, load_key, load_table, store_table
 from .timing import candidate_timer
 
@@ -92,6 +98,9 @@ class NormTuner:
         cache_path: JSON file of stored tables (None: none).
         timer: The engine's :class:`~opacus_fsdp_sync.profiling.timers.StepTimer`: tuning is
             reported as its own ``norm_tuning`` phase and deducted from the phases around it.
+        memory_budget: Bytes a candidate's working set may take
+            (:meth:`~..layers.linear.LinearRoom.working_set`); a candidate over it is never
+            timed. None: :func:`~..options.auto_memory_budget` when tuning (no limit on CPU).
     """
 
     device: torch.device
@@ -102,7 +111,10 @@ class NormTuner:
     blocks: tuple[int, ...] | None = None
     cache_path: str | None = None
     timer: object = None
+    memory_budget: int | None = None
     table: dict[NormKey, Choice] = field(default_factory=dict)
+    #: Candidates left untimed per key because their working set was over the budget (bytes).
+    skipped: dict[NormKey, dict[Candidate, int]] = field(default_factory=dict)
     #: Measured (or injected) milliseconds per candidate of each key tuned in this process.
     costs: dict[NormKey, dict[Candidate, float]] = field(default_factory=dict)
     #: Milliseconds spent timing candidates, in all.
@@ -195,7 +207,9 @@ class NormTuner:
         return choice
 
     def _tune(self, key, layer, a, g, per_sample: bool) -> Choice:
-        cands = self.candidates(key, per_sample)
+        cands, smallest = self._within_budget(key, layer, a, g, per_sample)
+        if not any(not c.per_sample for c in cands):  # no Gram strategy fits: none is timed
+            return Choice(block=smallest.block, per_sample=bool(cands))
         if self.cost_fn is not None:
             costs = {c: float(self.cost_fn(key, c)) for c in cands}
         else:
@@ -205,6 +219,35 @@ class NormTuner:
         ghost = min((c for c in cands if not c.per_sample), key=lambda c: (costs[c], c.block))
         psg = Candidate(per_sample=True)
         return Choice(block=ghost.block, per_sample=psg in costs and costs[psg] < costs[ghost])
+
+    def _within_budget(self, key, layer, a, g, per_sample: bool):
+        """The candidates whose working set fits the budget, and the smallest Gram strategy.
+
+        Logs (a warning) the ones left out, with their working sets and the budget.
+        """
+        cands = self.candidates(key, per_sample)
+        budget = self.memory_budget
+        budget = auto_memory_budget(self.device) if budget is None else budget
+        sizes = {
+            c: LinearRoom.working_set(layer, a, g, c, with_weight_grad=per_sample) for c in cands
+        }
+        smallest = min((c for c in cands if not c.per_sample), key=lambda c: sizes[c])
+        if budget is None:
+            return cands, smallest
+        over = {c: sizes[c] for c in cands if sizes[c] > budget}
+        if over:
+            self.skipped[key] = over
+            fit = [c for c in cands if c not in over]
+            logger.warning(
+                "[Ghost] norm plan: %s (batch %d): not timed, working set over the tuning "
+                "budget of %s: %s%s",
+                key,
+                a.shape[0],
+                size_text(budget),
+                ", ".join(f"{c} ({size_text(n)})" for c, n in over.items()),
+                "" if any(not c.per_sample for c in fit) else f"; {smallest} untimed, the least",
+            )
+        return [c for c in cands if c not in over], smallest
 
     def _nearest(self, key: NormKey) -> Choice | None:
         """An agreed table's choice for the same shape at the nearest tuned length, or None."""
@@ -305,6 +348,7 @@ def make_norm_tuner(
     gram_block: int | str,
     distributed: bool,
     timer=None,
+    memory_budget: int | None = None,
 ) -> NormTuner | None:
     """The engine's tuner for ``tune_norms``, or None; logs the decision."""
     on = tuning_wanted(option, device)
@@ -322,5 +366,10 @@ def make_norm_tuner(
         f", stored in {path}" if path else "",
     )
     return NormTuner(
-        device=device, gram_block=gram_block, distributed=agree, cache_path=path, timer=timer
+        device=device,
+        gram_block=gram_block,
+        distributed=agree,
+        cache_path=path,
+        timer=timer,
+        memory_budget=memory_budget,
     )
