@@ -20,6 +20,13 @@ from .distributed.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
 from .distributed.registry import detect_api
+from .distributed.tensor_parallel import (
+    TensorParallelLayout,
+    data_parallel_degree,
+    data_parallel_rank,
+    tensor_parallel_layout,
+    two_pass_overrides,
+)
 from .empty_batch import EmptyBatchStandIn
 from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
@@ -69,6 +76,9 @@ class _CallPlan:
     """The layout is distributed but Opacus, judging by the wrapper's type, counts it as one
     process (FSDP1; FSDP2 without a root unit or below a plain wrapper): the data loader and the
     expected batch per rank must be the distributed ones."""
+    tp: TensorParallelLayout | None = None
+    """The tensor-parallel layout (None without): its data-parallel degree replaces the world
+    size in the sampler's shares, the expected batch and the gradient divisor."""
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -173,10 +183,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._plan = self._plan_call(kwargs, opts)
-            #: The options the last model made private runs with (engine's and the call's).
-            self.last_options = opts
             try:
-                made = super().make_private(**kwargs)
+                with self._call_options(two_pass_overrides(self._plan.tp, opts)):
+                    #: The options the last model made private runs with (engine's and call's).
+                    self.last_options = self._options_now()
+                    made = super().make_private(**kwargs)
             finally:
                 self._plan = _CallPlan()
         sampler = made[-1].batch_sampler
@@ -231,7 +242,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
         missed = found.record.capabilities.distributed and not isinstance(
             module, _OPACUS_DISTRIBUTED
         )
-        return _CallPlan(optimizer=factory, ghost=True, missed_distributed=missed)
+        return _CallPlan(
+            optimizer=factory,
+            ghost=True,
+            missed_distributed=missed,
+            tp=tensor_parallel_layout(_unwrap(module)),
+        )
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
@@ -261,8 +277,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             return SharedPoissonDataLoader.from_data_loader(
                 data_loader,
                 seed=self.randomness.shared_seed("sampler", distributed=distributed),
-                rank=_rank() if distributed else 0,
-                world_size=world_size() if distributed else 1,
+                rank=data_parallel_rank(self._plan.tp, _rank()) if distributed else 0,
+                world_size=data_parallel_degree(self._plan.tp, world_size()) if distributed else 1,
                 batch_first=batch_first,
                 rand_on_empty=rand_on_empty,
             )
@@ -325,6 +341,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
             # is the global one, which would scale gradient and noise by 1 / world size.
             kwargs["expected_batch_size"] /= world_size()
             kwargs["distributed"] = True
+        if self._plan.tp is not None:  # Opacus divided by the world size, not the dp degree
+            kwargs["expected_batch_size"] *= world_size() / self._plan.tp.dp_degree
         factory = self._plan.optimizer
         inner = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
         generator = self._noise_generator(
@@ -332,10 +350,14 @@ class PrivacyEngine(opacus.PrivacyEngine):
         )
         if factory is None or kwargs.get("clipping") != "flat":
             kwargs["noise_generator"] = None if self.secure_mode else generator
-            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
-        for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
-            kwargs.pop(name, None)
-        return factory(inner, generator=generator, secure_mode=self.secure_mode, **kwargs)
+            made = super()._prepare_optimizer(optimizer=optimizer, **kwargs)
+        else:
+            for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
+                kwargs.pop(name, None)
+            made = factory(inner, generator=generator, secure_mode=self.secure_mode, **kwargs)
+        if self._plan.tp is not None:  # FSDP2 averages over the data-parallel ranks only
+            made.world_size = self._plan.tp.dp_degree
+        return made
 
     def _prepare_model(
         self,

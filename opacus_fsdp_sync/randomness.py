@@ -146,6 +146,15 @@ def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]
     Rank 0's seed is drawn from ``generator`` (the engine's, see :class:`DPRandomness`), or from
     OS entropy when it is None, never from torch's global generator. Collective.
     """
+    return shard_generators(generator, device, [coordinate])[0]
+
+
+def shard_generators(generator, device: torch.device, coordinates: list[tuple[int, ...]]):
+    """:func:`shard_generator` for several coordinates of this rank, from one broadcast seed.
+
+    Every rank must call it (once, whatever the number of coordinates). Equal coordinates give
+    equal streams on every rank; different ones independent streams.
+    """
     if generator is None:
         seed = os_seed()
     else:
@@ -155,8 +164,12 @@ def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]
             ).item()
         )
     base = broadcast_seed(seed, device)
-    mixed = (base ^ ((hash(coordinate) % 2**61 + 1) * _MIX)) % (2**63)
-    return torch.Generator(device=device).manual_seed(mixed)
+    return [
+        torch.Generator(device=device).manual_seed(
+            (base ^ ((hash(tuple(c)) % 2**61 + 1) * _MIX)) % (2**63)
+        )
+        for c in coordinates
+    ]
 
 
 def shared_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:

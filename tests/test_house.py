@@ -56,7 +56,7 @@ def _members(protocol: type) -> set[str]:
 
 
 def test_every_api_has_a_record_with_every_builder():
-    assert set(RECORDS) == {None, "ddp", "fsdp1", "fsdp2"}
+    assert set(RECORDS) == {None, "ddp", "fsdp1", "fsdp2", "tp"}
     for name, record in RECORDS.items():
         assert isinstance(record, ApiRecord) and record.name == name
         assert record_for(name) is record

@@ -338,6 +338,8 @@ def _unsupported(layout: str, world: int) -> nn.Module:
         return model
     if layout == "tp":
         return _tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    if layout == "tp_unnamed":
+        return _tensor_parallel(model, init_device_mesh("cpu", (world,)))
     # "tp_fsdp_DxT", "tp_fsdp_root_DxT", "tp_replicate_DxT": TP over "tp", then FSDP2 (per layer
     # and root, or root only) or FSDP's replicate over "dp"
     kind, shape = layout.rsplit("_", 1)

@@ -26,7 +26,7 @@ from torch import nn
 logger = logging.getLogger("opacus_fsdp_sync")
 
 #: The names records carry (what :class:`~.detect.DistributedRoot` reports as ``api``).
-SINGLE, DDP, FSDP1, FSDP2 = None, "ddp", "fsdp1", "fsdp2"
+SINGLE, DDP, FSDP1, FSDP2, TP = None, "ddp", "fsdp1", "fsdp2", "tp"
 
 #: Opacus's ghost-clipping ``grad_sample_mode`` values (this package's step runs them).
 GHOST_MODES = ("ghost", "ghost_fsdp")
@@ -123,7 +123,7 @@ class ApiRecord:
     """
 
     name: str | None
-    """``None`` (single device), ``"ddp"``, ``"fsdp1"`` or ``"fsdp2"``."""
+    """``None`` (single device), ``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or ``"tp"`` (alone)."""
     title: str
     """How logs and errors name it."""
     capabilities: Capabilities

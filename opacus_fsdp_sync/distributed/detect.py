@@ -8,10 +8,11 @@ from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .tensor_parallel import tp_sharded
 from .version_gate import internals_error
 
 #: The API names :func:`get_fsdp_root_module` can report.
-FSDP2, FSDP1, DDP = "fsdp2", "fsdp1", "ddp"
+FSDP2, FSDP1, DDP, TP = "fsdp2", "fsdp1", "ddp", "tp"
 
 
 class DistributedRoot(NamedTuple):
@@ -52,8 +53,9 @@ def _get_fsdp_root_module(module: object) -> DistributedRoot:
 
     Returns:
         ``(modules, api)``: the outermost FSDP2 modules (several when only blocks are sharded
-        and the root is not), the outermost FSDP1 instances, or the DDP module; ``api`` is
-        ``"fsdp2"``, ``"fsdp1"``, ``"ddp"`` or ``None`` (``modules`` then empty).
+        and the root is not), the outermost FSDP1 instances, the DDP module, or the model with
+        tensor-parallel layers and no FSDP (``"tp"``); ``api`` is ``"fsdp2"``, ``"fsdp1"``,
+        ``"ddp"``, ``"tp"`` or ``None`` (``modules`` then empty).
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -66,6 +68,8 @@ def _get_fsdp_root_module(module: object) -> DistributedRoot:
     fsdp1 = _outermost(model, FullyShardedDataParallel)
     if fsdp1:
         return DistributedRoot(fsdp1, FSDP1)
+    if any(p.requires_grad and tp_sharded(p) for p in model.parameters()):
+        return DistributedRoot([model], TP)
     return DistributedRoot([], None)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import UnsupportedConfigurationError
 from ._fsdp2_internals import handed_dtensors
 from .detect import composable_apis, ddp_replicated_modules
+from .tensor_parallel import check_names
 
 _SHOWN = 4
 
@@ -91,6 +92,23 @@ def _tensor_parallel(model: nn.Module) -> list[str]:
     ]
 
 
+def _under_fsdp2(model: nn.Module, foreign: list[str]) -> bool:
+    """Whether every tensor-parallel parameter sits in a ``fully_shard`` unit, or none exists.
+
+    No FSDP2 unit: tensor parallelism alone (:mod:`.tp`). FSDP's ``replicate`` over TP is not
+    tested, hence refused.
+    """
+    units = _fsdp2_units(model)
+    if all(u is None for u in units.values()):
+        return True
+    names = {t.split(":")[0] for t in foreign}
+    return all(
+        units[id(p)] is not None and "replicate" not in composable_apis(units[id(p)])
+        for n, p in _trainable(model)
+        if n in names
+    )
+
+
 def _placement_text(param) -> str:
     mesh = param.device_mesh
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
@@ -98,14 +116,17 @@ def _placement_text(param) -> str:
     return dims[0] if len(dims) == 1 else "(" + ", ".join(dims) + ")"
 
 
-def check_parallelism(model: nn.Module) -> None:
-    """Refuses DDP-based composable ``replicate`` and tensor parallelism, in every mode.
+def check_parallelism(model: nn.Module, *, tensor_parallel: bool = False) -> None:
+    """Refuses DDP-based composable ``replicate``, and tensor parallelism unless calibrated.
 
-    No ``grad_sample_mode`` calibrates them: Opacus counts the first as one process, and the
-    norm hooks of a tensor-parallel layer see DTensors mixed with local tensors.
+    No ``grad_sample_mode`` calibrates the first: Opacus counts it as one process. Tensor
+    parallelism is calibrated by the ghost modes under FSDP2 (``tensor_parallel=True``:
+    :mod:`.tensor_parallel`), on a mesh whose tp dimension is named; Opacus's own modes would
+    see DTensors mixed with local tensors in their norm hooks.
 
     Args:
         model: The user's model, unwrapped from Opacus.
+        tensor_parallel: Whether tensor-parallel layers on an FSDP2 model are accepted.
 
     Raises:
         UnsupportedConfigurationError: naming the replicated modules, or the parameters with
@@ -127,14 +148,19 @@ def check_parallelism(model: nn.Module) -> None:
             "(DistributedDataParallel(model)), or shard it with FSDP2's fully_shard."
         )
     foreign = _tensor_parallel(model)
+    if foreign and tensor_parallel and _under_fsdp2(model, foreign):
+        check_names(model)
+        return
     if foreign:
         raise UnsupportedConfigurationError(
-            f"tensor parallelism is not supported yet: {len(foreign)} trainable parameter(s) are "
-            "DTensors sharded or replicated other than by FSDP2 alone: "
-            f"{listing(foreign)}. Their per-sample norms would need every rank's shard (and "
+            f"tensor parallelism is not supported here: {len(foreign)} trainable parameter(s) "
+            "are DTensors sharded or replicated other than by FSDP2 alone: "
+            f"{listing(foreign)}. Their per-sample norms need every rank's shard (and "
             "their noise the tensor-parallel ranks' shares). Data parallelism is supported: "
             "FSDP2 (fully_shard on a 1-D mesh) and HSDP (fully_shard on a 2-D (replicate, "
-            "shard) mesh); drop parallelize_module, or freeze those parameters."
+            "shard) mesh); tensor parallelism with grad_sample_mode='ghost_fsdp' on a model "
+            "that fully_shard wraps after parallelize_module (a data-parallel mesh dimension of "
+            "size 1 is fine); else drop parallelize_module, or freeze those parameters."
         )
 
 
@@ -149,7 +175,7 @@ def check_layout(model: nn.Module, found) -> None:
         UnsupportedConfigurationError: naming the parameters or wrapper at fault and how to
             shard the model instead (see also :func:`check_parallelism`, which it calls first).
     """
-    check_parallelism(model)
+    check_parallelism(model, tensor_parallel=True)
     found.record.check_layout(model, found.modules)
 
 

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import ddp, fsdp1, fsdp2, single
+from . import ddp, fsdp1, fsdp2, single, tp
 from .api import ApiRecord
 from .detect import _get_fsdp_root_module
 
 #: Every API's record, by name (None: single device). A new API adds its module's record here.
 RECORDS: dict[str | None, ApiRecord] = {
-    record.name: record for record in (single.RECORD, ddp.RECORD, fsdp1.RECORD, fsdp2.RECORD)
+    record.name: record
+    for record in (single.RECORD, ddp.RECORD, fsdp1.RECORD, fsdp2.RECORD, tp.RECORD)
 }
 
 

@@ -21,8 +21,10 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .._torch_compat import in_backward
+from ..distributed.tensor_parallel import local
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
@@ -175,7 +177,14 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         return id(module) in self._trainable
 
     def capture_activations_hook(self, module, forward_input, forward_output):
-        """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters."""
+        """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters.
+
+        A tensor-parallel layer's input arrives as a DTensor (its output gradient as a local
+        tensor): it is captured as its local tensor, of which the hooks compute the partial
+        norms of the layer's shards (:mod:`..distributed.tensor_parallel`).
+        """
+        if any(isinstance(t, DTensor) for t in forward_input):
+            forward_input = tuple(local(t) for t in forward_input)
         if (
             self.gram_cache is not None
             and self.hooks_enabled

@@ -21,6 +21,8 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
+from ..distributed.tensor_parallel import tp_norm_sum, tp_sharded
+
 
 class NoNormsError(RuntimeError):
     """No hooked layer reported a per-sample norm in the last backward."""
@@ -40,7 +42,21 @@ class StepNormsMixin:
             id(m): sum(1 for p in m.parameters(recurse=False) if p.requires_grad) for m in hooked
         }
         self._step_layers = list(hooked)
+        self._init_tp_norms(hooked)
         self.reset_norms()
+
+    def _init_tp_norms(self, hooked: list[nn.Module]) -> None:
+        """Which reported norms are partial (tp-sharded parameters) and the tp group's sum."""
+        sharded = [p for m in hooked for p in m.parameters(recurse=False) if tp_sharded(p)]
+        #: Per layer (FSDP) or parameter id (one device): whether each norm is a tp shard's.
+        self._tp_partial: dict[int, list[bool]] = {}
+        self._tp_sum = None
+        if not sharded:
+            return
+        for m in hooked:
+            flags = [tp_sharded(p) for p in m.parameters(recurse=False) if p.requires_grad]
+            self._tp_partial[id(m)] = flags
+        self._tp_sum = tp_norm_sum(sharded[0])
 
     def reset_norms(self) -> None:
         """Forgets every layer's per-sample norms (the start of a backward)."""
@@ -51,7 +67,10 @@ class StepNormsMixin:
             for p in self.trainable_parameters:
                 p._norm_sample = None
 
-    def _reported_norms(self) -> list[torch.Tensor]:
+    def _reported_norms(self, partial: bool | None = None) -> list[torch.Tensor]:
+        """The norms reported in this backward (``partial``: only tp shards' / only the rest)."""
+        if partial is not None:
+            return self._reported_tp_norms(partial)
         if self._norms_per_module:
             return [
                 ns
@@ -69,6 +88,10 @@ class StepNormsMixin:
             NoNormsError: when no hooked layer reported (the batch size is unknown).
         """
         norms = self._reported_norms()
+        if norms and self._tp_sum is not None:  # tensor parallelism: shards' squares over tp
+            norm = self._tp_sum(self._reported_norms(True), self._reported_norms(False))
+            self.per_sample_gradient_norms = norm
+            return norm
         if not norms:
             raise NoNormsError(
                 "opacus_fsdp_sync: no hooked layer reported a per-sample norm in this backward "
@@ -78,6 +101,20 @@ class StepNormsMixin:
         norm = torch.stack([ns.to(device) for ns in norms], dim=0).norm(2, dim=0)
         self.per_sample_gradient_norms = norm
         return norm
+
+    def _reported_tp_norms(self, partial: bool) -> list[torch.Tensor]:
+        if not self._norms_per_module:
+            return [
+                p._norm_sample
+                for p in self.trainable_parameters
+                if getattr(p, "_norm_sample", None) is not None and tp_sharded(p) is partial
+            ]
+        return [
+            ns
+            for m in self.iterate_submodules(self._module)
+            for ns, flag in zip(getattr(m, "norm_sample", ()), self._tp_partial.get(id(m), ()))
+            if ns is not None and flag is partial
+        ]
 
     def get_clipping_coef(self) -> torch.Tensor:
         """Opacus's coefficients; then zero gradients for the layers that did not run (one device).

@@ -19,21 +19,40 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
 from torch.distributed.tensor import DTensor
 
 from ..distributed._fsdp2_internals import swap_local
-from ..randomness import shard_generator
+from ..distributed.tensor_parallel import noise_keys, tp_sharded
+from ..randomness import shard_generators
+from . import noise_prefetch as draws
 from .noised_step import FlatNoiseStep, add_to_sum, noise_layout
 
 
-def shard_coordinate(params) -> tuple[int, ...]:
-    """This rank's coordinate along the sharded (non-replicated) mesh dimensions.
+class NoiseStreams:
+    """One noise stream per noise-stream key of the parameters (one without tensor parallelism).
 
-    Replicas of one shard (HSDP, ``no_shard``) share it, so they draw the same noise and stay
-    identical; different shards get different streams.
+    Args:
+        generator: The engine's generator (rank 0's draws seed every stream), or None for OS
+            entropy.
+        device: Where the noise is drawn.
+        params: The trainable parameters, in the optimizer's order.
     """
-    for p in params:
-        if isinstance(p, DTensor):
-            coord = p.device_mesh.get_coordinate() or ()
-            return tuple(c for c, pl in zip(coord, p.placements) if not pl.is_replicate())
-    return (dist.get_rank(),)
+
+    def __init__(self, generator, device: torch.device, params: list) -> None:
+        keys = noise_keys(params)
+        self.keys = list(dict.fromkeys(keys))  # first-seen order
+        self.generators = shard_generators(generator, device, self.keys)
+        index = {k: i for i, k in enumerate(self.keys)}
+        self.members = [[] for _ in self.keys]
+        for i, k in enumerate(keys):
+            self.members[index[k]].append(i)
+
+    def draw(self, layout: tuple[tuple, ...], std: float) -> list[torch.Tensor]:
+        """Noise for each entry of ``layout`` (one per parameter), each from its key's stream."""
+        if len(self.generators) == 1:
+            return draws.draw_flat_noise(layout, std, self.generators[0])
+        out: list = [None] * len(layout)
+        for gen, idx in zip(self.generators, self.members):
+            for i, view in zip(idx, draws.draw_flat_noise(tuple(layout[i] for i in idx), std, gen)):
+                out[i] = view
+        return out
 
 
 class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
@@ -53,20 +72,29 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
             raise ValueError("ShardedNoiseFSDPOptimizer does not implement secure_mode noise")
         super().__init__(optimizer, generator=None, secure_mode=False, **kwargs)
         plain = [tuple(p.shape) for p in self.params if not isinstance(p, DTensor)]
-        if plain and dist.get_world_size() > 1:
+        tp_alone = any(tp_sharded(p) for p in self.params)  # FSDP2 leaves no plain parameter
+        if plain and dist.get_world_size() > 1 and not tp_alone:
             raise ValueError(
                 f"{len(plain)} trainable parameter(s) (shapes {plain[:3]}) are not managed by "
                 "FSDP2; each rank would add its own noise and the replicas would drift apart. "
                 "Shard every trainable parameter (fully_shard on the root) or freeze them."
             )
+        self._seed_streams(generator)
+
+    def _seed_streams(self, generator) -> None:
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.generator = shard_generator(generator, device, shard_coordinate(self.params))
+        self.streams = NoiseStreams(generator, device, list(self.params))
+        #: The first stream (the only one without tensor parallelism; a checkpoint keeps all).
+        self.generator = self.streams.generators[0]
+
+    def _draw_noise(self, layout: tuple[tuple, ...], std: float) -> list[torch.Tensor]:
+        """Each parameter's noise from its key's stream (:class:`NoiseStreams`)."""
+        return self.streams.draw(layout, std)
 
     def reseed_noise(self) -> None:
         """Fresh per-shard streams from OS entropy (collective); noise drawn ahead is dropped."""
         self._drop_prefetched()
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.generator = shard_generator(None, device, shard_coordinate(self.params))
+        self._seed_streams(None)
 
     @torch.no_grad()
     def accumulate(self) -> None:

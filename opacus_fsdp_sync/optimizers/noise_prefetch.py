@@ -39,20 +39,21 @@ def draw_flat_noise(layout: tuple[tuple, ...], std: float, generator) -> list[to
 
 
 class NoisePrefetch:
-    """One pending draw: :func:`~.noised_step.draw_flat_noise` of ``layout`` at ``std``.
+    """One pending draw: ``draw(layout, std)`` (by default :func:`draw_flat_noise`).
 
     Args:
         layout: ``((shape, dtype, device), ...)`` of the gradients the noise is for.
         std: The standard deviation drawn with.
-        generator: The generator to draw from (used by nothing else until :meth:`take`).
+        draw: ``draw(layout, std) -> views``, drawing from generators nothing else uses until
+            :meth:`take`.
     """
 
-    def __init__(self, layout: tuple[tuple, ...], std: float, generator: torch.Generator):
+    def __init__(self, layout: tuple[tuple, ...], std: float, draw):
         self.std = std
         self.layout = layout
         cuda = [device for (_, _, device) in layout if device.type == "cuda"]
         self._ahead = DrawAhead(
-            lambda: draw_flat_noise(layout, std, generator),
+            lambda: draw(layout, std),
             cuda[0] if cuda else torch.device("cpu"),
         )
 

@@ -130,6 +130,10 @@ class FlatNoiseStep(ScaledWithNoise):
         """:func:`noise_layout` of the next step's local gradients, or None if unknown."""
         raise NotImplementedError
 
+    def _draw_noise(self, layout: tuple[tuple, ...], std: float) -> list[torch.Tensor]:
+        """Noise for ``layout``: one flat draw per dtype and device from ``self.generator``."""
+        return draws.draw_flat_noise(layout, std, self.generator)
+
     def _param_states_key(self, params: list | None = None) -> tuple:
         """Identifies the current trainable parameters (and Opacus's ``grad_state``)."""
         return (id(self.grad_state), *map(id, self.params if params is None else params))
@@ -173,7 +177,7 @@ class FlatNoiseStep(ScaledWithNoise):
         layout = self._noise_layout()
         if std == 0 or not layout:
             return
-        self._prefetched = NoisePrefetch(layout, std, self.generator)
+        self._prefetched = NoisePrefetch(layout, std, self._draw_noise)
 
     @torch.no_grad()
     def _noised(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -197,6 +201,6 @@ class FlatNoiseStep(ScaledWithNoise):
         if drawn is None or prefetched.layout != layout:
             if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
                 self._layout_key = None
-            drawn = draws.draw_flat_noise(layout, std, self.generator)
+            drawn = self._draw_noise(layout, std)
         add_scaled_into(drawn, grads, factor)
         return drawn

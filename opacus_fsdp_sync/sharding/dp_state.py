@@ -67,6 +67,12 @@ def _settings(engine, optimizer) -> dict:
     }
 
 
+def _extra_streams(optimizer) -> list[torch.Generator]:
+    """The optimizer's noise streams after its ``generator`` (none but with tensor parallelism)."""
+    streams = getattr(optimizer, "streams", None)
+    return list(streams.generators[1:]) if streams is not None else []
+
+
 def _generator_state(optimizer) -> torch.Tensor | None:
     gen = optimizer.generator
     if gen is None:
@@ -134,6 +140,8 @@ def dp_state(engine, optimizer) -> dict:
         "accountant": engine.accountant.state_dict(),
         "sampler": None if sampler is None else sampler.state_dict(),
         "noise_generator": _generator_state(optimizer),
+        # the further noise streams (tensor parallelism: one for the tp-sharded coordinates)
+        "noise_streams": [g.get_state() for g in _extra_streams(optimizer)],
         "layout": noise_layout(engine, optimizer),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -217,6 +225,8 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
         )
     elif state["noise_generator"] is not None:
         optimizer.generator.set_state(state["noise_generator"])
+        for gen, saved in zip(_extra_streams(optimizer), state.get("noise_streams", ())):
+            gen.set_state(saved)
 
 
 def reseed_noise(engine, optimizer) -> None:

@@ -1,0 +1,272 @@
+"""Tensor parallelism (torch's ``parallelize_module``) under flat per-sample clipping.
+
+A tensor-parallel ``Linear`` holds a shard of its weight on each rank of the tensor-parallel
+(tp) group: ``ColwiseParallel`` shards the output features (``Shard(0)``), ``RowwiseParallel``
+the input features (``Shard(1)``; its bias is replicated). Every tp rank of a data-parallel
+group sees the same examples, and each computes the part of every sample's gradient that
+belongs to its shard. What exact flat clipping needs, and where it is done:
+
+- **Per-sample norms** (:meth:`TensorParallelLayout.total_norm`): the squared norm of a sample's
+  gradient is the sum of its shards' partial squared norms, all-reduced over the tp group once
+  per step before the square root; a parameter replicated over tp (a norm weight, a rowwise
+  bias, a layer left out of the plan) is counted once. The hooks see the layer's input as a
+  DTensor and its output gradient as a local tensor; both are taken as local tensors
+  (:func:`local`), which is what the partial norms are of.
+- **Noise per placement** (:func:`noise_keys`): a coordinate sharded over tp gets its own draw on
+  each tp rank, a coordinate replicated over tp the same draw on every tp rank (the replicas
+  stay bit-identical).
+- **The data-parallel degree** is the world size over the tp degree: it sets the expected batch
+  per rank, the shared Poisson sampler's shares (the tp ranks of one data-parallel group take
+  the same examples: :attr:`TensorParallelLayout.dp_rank`) and the gradient divisor.
+
+The tp mesh dimension is found by name: ``"tp"``, torchtitan's (``init_device_mesh(...,
+mesh_dim_names=("dp", "tp"))``). Only public torch API is used (DTensor placements, device
+meshes, process groups).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UnsupportedConfigurationError
+
+logger = logging.getLogger(__name__)
+
+#: Names of the tensor-parallel mesh dimension (torchtitan's).
+TP_DIM_NAMES = ("tp",)
+#: Separates the tp coordinate in a noise-stream key (coordinates are never negative).
+_TP_MARK = -1
+
+
+def local(t):
+    """The local tensor of a DTensor (anything else unchanged)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tp_dims(param) -> tuple[int, ...]:
+    """The mesh dimensions of a DTensor parameter that are named as tensor-parallel."""
+    names = param.device_mesh.mesh_dim_names or ()
+    return tuple(i for i, n in enumerate(names) if n in TP_DIM_NAMES)
+
+
+def tp_sharded(param) -> bool:
+    """Whether a parameter is sharded over a tensor-parallel mesh dimension."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return False
+    return any(not param.placements[i].is_replicate() for i in _tp_dims(param))
+
+
+def _unnamed_tp(model: nn.Module) -> list[str]:
+    """Trainable DTensor parameters on a mesh without names, sharded on several dims or not by FSDP.
+
+    Used to tell a user whose tensor-parallel mesh lacks the ``"tp"`` name what to do.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and isinstance(p, DTensor) and not p.device_mesh.mesh_dim_names
+    ]
+
+
+@dataclass
+class TensorParallelLayout:
+    """The tensor-parallel side of a model's layout (see the module docstring).
+
+    Per-sample norms are summed over ``group`` by the hooks (:func:`tp_norm_sum`).
+
+    Attributes:
+        group: The tp process group of this rank.
+        degree: Ranks in the tp group.
+        dp_degree: Data-parallel ranks (world size over ``degree``).
+        dp_rank: This rank's data-parallel index (the same on every rank of its tp group).
+        sharded: ``id`` of every trainable parameter sharded over tp.
+    """
+
+    group: object
+    degree: int
+    dp_degree: int
+    dp_rank: int
+    sharded: frozenset[int] = field(default_factory=frozenset)
+
+
+def tp_group(param):
+    """The process group of a tp-sharded DTensor parameter's tensor-parallel mesh dimension."""
+    return param.device_mesh.get_group(_tp_dims(param)[0])
+
+
+def tp_norm_sum(param):
+    """``sum(sharded, replicated) -> norms`` over the tp group of ``param`` (tp-sharded).
+
+    The returned function takes this rank's per-sample norms of tp-sharded parameter shards
+    and those of parameters replicated over tp, and returns
+    ``sqrt(all_reduce_tp(sum sharded^2) + sum replicated^2)``: the whole-model per-sample norms,
+    the same on every tp rank. Collective over the tp group: every tp rank calls it once per
+    step.
+    """
+    group = tp_group(param)
+
+    def total(sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
+        ref = (sharded or replicated)[0]
+        sq = torch.zeros(ref.shape, dtype=ref.dtype, device=ref.device)
+        for ns in sharded:
+            sq = sq + ns.to(ref.device).pow(2)
+        dist.all_reduce(sq, group=group)
+        for ns in replicated:
+            sq = sq + ns.to(ref.device).pow(2)
+        return sq.sqrt()
+
+    return total
+
+
+def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
+    """The model's tensor-parallel layout, or None when no trainable parameter is tp-sharded.
+
+    Collective when tensor-parallel (the data-parallel index of each tp group is agreed on).
+
+    Raises:
+        UnsupportedConfigurationError: a tp-sharded parameter outside a ``Linear`` layer, or
+            trainable DTensors on a mesh without dimension names (the tp dimension is found by
+            its name ``"tp"``).
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sharded = [(n, p) for n, p in params if tp_sharded(p)]
+    if not sharded:
+        return None
+    owners = {id(p): type(m) for m in model.modules() for p in m.parameters(recurse=False)}
+    other = [n for n, p in sharded if not _is_linear(owners.get(id(p)))]
+    if other:
+        raise UnsupportedConfigurationError(
+            f"tensor-parallel parameters outside Linear layers ({', '.join(other[:4])}): "
+            "per-sample norms of sharded Embedding or other layers are not implemented. Keep them "
+            "out of parallelize_module's plan (they stay replicated over tp)."
+        )
+    meshes = {id(p.device_mesh): p for _, p in sharded}
+    groups = set()
+    for p in meshes.values():
+        dims = _tp_dims(p)
+        if len(dims) != 1:
+            raise UnsupportedConfigurationError(
+                "tensor parallelism over several mesh dimensions named 'tp': use one."
+            )
+        groups.add(tp_group(p))
+    if len(groups) != 1:
+        raise UnsupportedConfigurationError(
+            "tensor-parallel parameters on different tp groups: use one tp mesh dimension for "
+            "every parallelized layer."
+        )
+    group = groups.pop()
+    degree = dist.get_world_size(group)
+    world = dist.get_world_size()
+    leader = min(dist.get_process_group_ranks(group))
+    leaders: list[int] = [0] * world
+    dist.all_gather_object(leaders, leader)
+    order = sorted(set(leaders))
+    if world % degree or len(order) * degree != world:
+        raise UnsupportedConfigurationError(
+            f"tp groups of {degree} ranks do not tile the {world} ranks: every rank must belong "
+            "to one tp group of the same size."
+        )
+    layout = TensorParallelLayout(
+        group=group,
+        degree=degree,
+        dp_degree=world // degree,
+        dp_rank=order.index(leader),
+        sharded=frozenset(id(p) for _, p in sharded),
+    )
+    logger.info(
+        "[Ghost] tensor parallelism: tp degree %d, data-parallel degree %d; %d tp-sharded "
+        "parameters (per-sample norms all-reduced over tp)",
+        degree,
+        layout.dp_degree,
+        len(sharded),
+    )
+    return layout
+
+
+def check_names(model: nn.Module) -> None:
+    """Refuses a tensor-parallel model whose mesh dimensions carry no names.
+
+    Raises:
+        UnsupportedConfigurationError: naming the parameters and the fix.
+    """
+    unnamed = _unnamed_tp(model)
+    if unnamed:
+        raise UnsupportedConfigurationError(
+            f"DTensor parameters on a mesh without dimension names ({', '.join(unnamed[:4])}): "
+            "name the tensor-parallel dimension 'tp', e.g. init_device_mesh('cuda', (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')) or ShardingConfig(tp_degree=...)."
+        )
+
+
+def _is_linear(kind: type | None) -> bool:
+    return kind is not None and issubclass(kind, nn.Linear)
+
+
+def noise_keys(params) -> list[tuple]:
+    """Each parameter's noise-stream key: its coordinates on the mesh dims it is sharded over.
+
+    Parameters replicated over tp leave the tp coordinate out (one stream for all tp ranks);
+    parameters sharded over tp keep it after a marker (-1), so that the key differs from every
+    tp-replicated key. Plain tensors beside tp-sharded parameters (tensor parallelism alone) are
+    replicated over tp and share one stream. Keys are tuples of ints: their hash, which seeds
+    the stream, is the same in every process. Without tensor parallelism every key is the one
+    the FSDP2 optimizer always used (the coordinates along the sharded dims of the DTensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    # Plain parameters beside tp-sharded ones: tensor parallelism alone, where they are
+    # replicated over tp (one shared stream); otherwise each rank's own.
+    plain_key = () if any(tp_sharded(p) for p in params) else (dist.get_rank(),)
+    keys = []
+    for p in params:
+        if not isinstance(p, DTensor):
+            keys.append(plain_key)
+            continue
+        coord = p.device_mesh.get_coordinate() or ()
+        tp = set(_tp_dims(p))
+        key = tuple(
+            c
+            for i, (c, pl) in enumerate(zip(coord, p.placements))
+            if not pl.is_replicate() and i not in tp
+        )
+        if tp_sharded(p):
+            key = key + (_TP_MARK,) + tuple(coord[i] for i in sorted(tp))
+        keys.append(key)
+    return keys
+
+
+def data_parallel_degree(layout: TensorParallelLayout | None, world: int) -> int:
+    """Ranks that take different examples: the dp degree, or ``world`` without tp."""
+    return world if layout is None else layout.dp_degree
+
+
+def data_parallel_rank(layout: TensorParallelLayout | None, rank: int) -> int:
+    """This rank's share of the draw: its dp index, or ``rank`` without tp."""
+    return rank if layout is None else layout.dp_rank
+
+
+def two_pass_overrides(layout: TensorParallelLayout | None, options) -> dict:
+    """Options a tensor-parallel model runs with: two passes instead of one backward (logged).
+
+    One backward's hand-off gives FSDP2 full unsharded gradients; a tensor-parallel layer's
+    are tp shards (DTensors), which it does not build yet. The two-pass step's second backward
+    lets autograd produce them, exact either way.
+    """
+    if layout is None or not options.one_backward:
+        return {}
+    logger.warning(
+        "[Ghost] tensor parallelism: one backward does not hand tp-sharded gradients to FSDP2 "
+        "yet; each step runs two passes (norms, then the reweighted loss)"
+    )
+    return {"one_backward": False}

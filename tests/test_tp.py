@@ -1,0 +1,115 @@
+"""Tensor parallelism under flat per-sample clipping: exact, calibrated, replicas identical.
+
+FSDP2 x TP on a (dp 2, tp 2) mesh (4 gloo ranks) and TP alone (2 ranks), against the
+clip-each-sample loop over the same global Poisson draws with clipping active: parameters
+after two steps, the noise's standard deviation ``sigma C / B`` (B the expected global batch),
+independent noise on the two tp halves of a sharded weight, identical noise (and parameters)
+where a coordinate is replicated over tp, and the data-parallel degree (the sampler's shares,
+the expected batch, the gradient divisor) taken from the mesh, not the world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opacus_fsdp_sync.testing import per_sample_clipped_grads, run_ranks
+from tests import workers_tp as wt
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+#: Parameters sharded over tp (l1 column-wise: weight and bias; l2 row-wise: weight).
+TP_SHARDED = ("l1.weight", "l1.bias", "l2.weight")
+#: Parameters replicated over tp (l2's bias, l3 left out of the plan).
+TP_REPLICATED = ("l2.bias", "l3.weight", "l3.bias")
+
+
+@pytest.fixture(scope="module", params=list(wt.LAYOUTS))
+def layout_results(request):
+    layout = request.param
+    dp, tp, _ = wt.LAYOUTS[layout]
+    return layout, run_ranks(wt.tensor_parallel, dp * tp, layout, timeout=600)
+
+
+def _loop(selections):
+    """The loop's parameters after each step, and the first step's per-sample norms."""
+    model = wt.base()
+    x, y = wt.dataset().tensors
+    params, first_norms = [], None
+    for sel in selections:
+        idx = torch.tensor(sel, dtype=torch.long)
+        grads, norms = per_sample_clipped_grads(model, wt.sample_loss, x[idx], y[idx], wt.C, "sum")
+        if first_norms is None:
+            first_norms = norms
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.sub_(wt.LR * grads[n] / wt.BATCH)  # Opacus divides by the expected batch
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return params, first_norms
+
+
+def test_exact_against_the_clip_each_sample_loop(layout_results):
+    layout, results = layout_results
+    r0 = results[0][0.0]
+    assert r0["api"] == ("fsdp2" if layout == "fsdp2_tp" else "tp")
+    loop, norms = _loop(r0["selections"])
+    assert (norms > wt.C).sum() >= 2 and (norms < wt.C).sum() >= 1, norms  # clipping active
+    for res in results:
+        run = res[0.0]
+        assert run["selections"] == r0["selections"]
+        for step in range(wt.STEPS):
+            for n, want in loop[step].items():
+                got = run["full"][step][n]
+                scale = max(1.0, (want - wt.base().state_dict()[n]).abs().max().item())
+                assert (got - want).abs().max().item() <= 1e-6 * scale, (layout, step, n)
+        if run["norms"] is not None:  # this rank's share of the first draw, all tp ranks' sum
+            local = torch.tensor(r0["selections"][0]).tensor_split(run["shares"])[run["share"]]
+            want = norms[[r0["selections"][0].index(i) for i in local.tolist()]]
+            assert torch.allclose(run["norms"], want, rtol=1e-5), (run["norms"], want)
+
+
+def test_data_parallel_degree_comes_from_the_mesh(layout_results):
+    layout, results = layout_results
+    dp, tp, _ = wt.LAYOUTS[layout]
+    for rank, res in enumerate(results):
+        run = res[0.0]
+        assert run["shares"] == dp and run["divisor"] == dp
+        assert run["expected_batch"] == pytest.approx(wt.BATCH / dp)
+        # the tp ranks of one data-parallel group take the same examples
+        partner = results[rank ^ 1][0.0]  # tp is the inner mesh dimension
+        assert run["share"] == partner["share"] and run["sizes"] == partner["sizes"]
+    if dp > 1:  # Poisson on, with an empty data-parallel share in some step
+        assert any(0 in [res[0.0]["sizes"][s] for res in results] for s in range(wt.STEPS))
+
+
+def test_noise_per_placement(layout_results):
+    layout, results = layout_results
+    std = wt.SIGMA * wt.C / wt.BATCH
+    noise = {}
+    for rank, res in enumerate(results):
+        quiet, noisy = res[0.0], res[wt.SIGMA]
+        assert noisy["selections"] == quiet["selections"]
+        noise[rank] = {
+            n: (noisy["local"][0][n] - quiet["local"][0][n]) / wt.LR for n in quiet["local"][0]
+        }
+    # every coordinate of the global update, once: the full parameters of rank 0
+    full = torch.cat(
+        [
+            ((results[0][wt.SIGMA]["full"][0][n] - results[0][0.0]["full"][0][n]) / wt.LR).flatten()
+            for n in results[0][0.0]["full"][0]
+        ]
+    )
+    assert full.numel() >= 20_000
+    assert abs(full.std().item() / std - 1.0) < 0.02, full.std().item() / std
+    assert abs(full.mean().item()) < 0.02 * std
+    for rank in range(0, len(results), 2):  # each tp pair (tp is the inner dimension)
+        a, b = noise[rank], noise[rank + 1]
+        for n in TP_REPLICATED:  # replicated over tp: the same noise, bit for bit
+            assert torch.equal(a[n], b[n]), (layout, n)
+            assert torch.equal(
+                results[rank][wt.SIGMA]["local"][1][n], results[rank + 1][wt.SIGMA]["local"][1][n]
+            ), (layout, n)
+        halves = [torch.cat([x[n].flatten() for n in TP_SHARDED]) for x in (a, b)]
+        assert halves[0].numel() >= 10_000
+        corr = torch.corrcoef(torch.stack(halves))[0, 1].item()
+        assert abs(corr) < 0.05, (layout, corr)

@@ -1,0 +1,142 @@
+"""Rank functions for tensor parallelism: FSDP2 x TP on a (dp 2, tp 2) mesh, and TP alone.
+
+The model reads sequences: ``l1`` (column-wise parallel), a ReLU, ``l2`` (row-wise parallel, its
+bias replicated over tp), a residual, then ``l3``, left out of the tp plan (replicated over
+tp), and a mean over tokens. Each layout trains it for :data:`STEPS` private steps with Poisson
+sampling on (the engine's shared sampler) at an expected global batch of :data:`BATCH`, with
+noise 0 and with noise :data:`SIGMA` on the same draws; the parent compares the noise-free
+parameters with the clip-each-sample loop over the same global draws and reads the noise off
+the difference.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+from opacus_fsdp_sync import PrivacyEngine
+
+warnings.filterwarnings("ignore")
+
+#: Dataset size, expected global batch, tokens, widths, clipping bound, noise multiplier,
+#: learning rate, private steps per run.
+N, BATCH, T, D, H, C, SIGMA, LR, STEPS = 24, 4, 3, 64, 512, 12.0, 1.0, 0.5, 2
+#: The runs' ``dp_seed``: its first draws leave one data-parallel share empty on the 2 x 2
+#: mesh (the test checks it happened).
+DP_SEED = 29
+#: Layout -> (dp degree, tp degree, whether fully_shard wraps the model over dp).
+LAYOUTS = {"fsdp2_tp": (2, 2, True), "tp_alone": (1, 2, False)}
+
+
+class SeqNet(nn.Module):
+    """64 -> 512 -> 64 (+ residual) -> 4 on every token, mean over tokens: 66,372 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(D, H), nn.Linear(H, D), nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(x + self.l2(torch.relu(self.l1(x)))).mean(1)
+
+
+def base() -> SeqNet:
+    """The unsharded model every layout starts from (the loop's copy too)."""
+    torch.manual_seed(0)
+    return SeqNet()
+
+
+def sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One sample's loss (the loop's)."""
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def dataset() -> TensorDataset:
+    """``N`` sequences; per-sample gradient norms of the initial model above ``C`` for most."""
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        2 * torch.randn(N, T, D, generator=g), torch.randint(0, 4, (N,), generator=g)
+    )
+
+
+def build(layout: str) -> nn.Module:
+    """``l1`` column-wise and ``l2`` row-wise over the mesh's ``"tp"`` dimension; FSDP2 over
+    ``"dp"`` where the layout says so."""
+    dp, tp, fsdp = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = base()
+    parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
+    """:data:`STEPS` private steps; after each, the full and the local parameters.
+
+    Returns:
+        ``full`` / ``local`` parameters per step, this rank's batch sizes, the global draws,
+        the expected batch per data-parallel rank the optimizer uses, the sampler's share
+        count and this rank's share index, and the per-sample norms of the first step.
+    """
+    model = build(layout)
+    # dp_seed opts in to reproducible DP randomness (never for a release): the parent's loop
+    # must replay the very Poisson draws the ranks trained on, and the noisy run must draw what
+    # the noise-free run drew, so that their difference after a step is the noise alone.
+    engine = PrivacyEngine(dp_seed=DP_SEED, one_backward=one_backward)
+    gsm, opt, crit, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(dataset(), batch_size=BATCH),
+        noise_multiplier=noise,
+        max_grad_norm=C,
+        grad_sample_mode="ghost_fsdp",
+    )
+    out = {"full": [], "local": [], "sizes": [], "norms": None}
+    batches = iter(loader)
+    for step in range(STEPS):
+        xb, yb = next(batches)
+        crit(gsm(xb), yb).backward()
+        if step == 0 and len(xb):
+            out["norms"] = gsm.per_sample_gradient_norms.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        out["sizes"].append(len(xb))
+        out["full"].append(_full(model))
+        out["local"].append(_locals(model))
+    sampler = engine.sampler
+    out["selections"] = [sampler.global_draw(t).tolist() for t in range(STEPS)]
+    out["shares"], out["share"] = sampler.world_size, sampler.rank
+    out["expected_batch"] = opt.expected_batch_size
+    out["divisor"] = opt.world_size
+    out["api"] = engine.distributed_api
+    return out
+
+
+def tensor_parallel(rank: int, world: int, layout: str) -> dict:
+    """The noise-free and the noisy run of ``layout`` on this rank."""
+    dp, tp, _ = LAYOUTS[layout]
+    if world != dp * tp:
+        raise ValueError(f"{layout} needs {dp * tp} ranks, got {world}")
+    return {noise: private_run(layout, noise) for noise in (0.0, SIGMA)}
