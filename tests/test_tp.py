@@ -51,7 +51,11 @@ def _loop(selections):
 def test_exact_against_the_clip_each_sample_loop(layout_results):
     layout, results = layout_results
     r0 = results[0][0.0]
-    assert r0["api"] == ("fsdp2" if layout == "fsdp2_tp" else "tp")
+    assert r0["api"] == ("tp" if layout == "tp_alone" else "fsdp2")
+    if layout == "shard_model_hsdp_tp":  # torchtitan's names, HSDP x TP
+        assert r0["mesh"] == (("dp_replicate", "dp_shard", "tp"), (2, 1, 2)), r0["mesh"]
+    elif layout == "shard_model_tp":
+        assert r0["mesh"] == (("dp_shard", "tp"), (2, 2)), r0["mesh"]
     loop, norms = _loop(r0["selections"])
     assert (norms > wt.C).sum() >= 2 and (norms < wt.C).sum() >= 1, norms  # clipping active
     for res in results:
@@ -113,3 +117,26 @@ def test_noise_per_placement(layout_results):
         assert halves[0].numel() >= 10_000
         corr = torch.corrcoef(torch.stack(halves))[0, 1].item()
         assert abs(corr) < 0.05, (layout, corr)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama_with_the_default_tp_plan_is_exact(world):
+    """Hugging Face's Llama (grouped-query attention) under ``ShardingConfig(tp_degree=2)``."""
+    for res in run_ranks(wt.llama_tp, world, timeout=600):
+        assert res["clipped"] >= 1 and res["clipped"] < res["n"], res
+        assert res["diff"] < 1e-6, res
+        # every attention and MLP projection of both layers is sharded over tp
+        assert len([n for n in res["tp_sharded"] if n.endswith("proj.weight")]) == 14, res
+
+
+def test_tp_degree_is_validated_and_the_llama_plan_names_what_it_needs():
+    from opacus_fsdp_sync.sharding import ShardingConfig
+    from opacus_fsdp_sync.sharding.tensor_parallel import llama_tp_plan
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="tp_degree"):
+            ShardingConfig(tp_degree=bad)
+    with pytest.raises(ValueError, match="backend='fsdp2'"):
+        ShardingConfig(tp_degree=2, backend="fsdp1")
+    with pytest.raises(ValueError, match="tp_plan"):
+        llama_tp_plan(wt.base())  # no Llama projections: the error says to pass tp_plan

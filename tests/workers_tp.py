@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
+from opacus_fsdp_sync.testing import per_sample_clipped_grads
 
 warnings.filterwarnings("ignore")
 
@@ -31,8 +33,15 @@ N, BATCH, T, D, H, C, SIGMA, LR, STEPS = 24, 4, 3, 64, 512, 12.0, 1.0, 0.5, 2
 #: The runs' ``dp_seed``: its first draws leave one data-parallel share empty on the 2 x 2
 #: mesh (the test checks it happened).
 DP_SEED = 29
-#: Layout -> (dp degree, tp degree, whether fully_shard wraps the model over dp).
-LAYOUTS = {"fsdp2_tp": (2, 2, True), "tp_alone": (1, 2, False)}
+#: Layout -> (dp degree, tp degree, whether fully_shard wraps the model over dp). The
+#: ``shard_model_*`` layouts come from ``ShardingConfig(tp_degree=2)``: FSDP2 x TP on a
+#: (dp_shard 2, tp 2) mesh, and HSDP x TP on a (dp_replicate 2, dp_shard 1, tp 2) mesh.
+LAYOUTS = {
+    "fsdp2_tp": (2, 2, True),
+    "tp_alone": (1, 2, False),
+    "shard_model_tp": (2, 2, True),
+    "shard_model_hsdp_tp": (2, 2, True),
+}
 
 
 class SeqNet(nn.Module):
@@ -69,8 +78,18 @@ def build(layout: str) -> nn.Module:
     """``l1`` column-wise and ``l2`` row-wise over the mesh's ``"tp"`` dimension; FSDP2 over
     ``"dp"`` where the layout says so."""
     dp, tp, fsdp = LAYOUTS[layout]
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = base()
+    if layout.startswith("shard_model"):
+        hsdp = layout == "shard_model_hsdp_tp"
+        config = ShardingConfig(
+            strategy="hybrid_full" if hsdp else "full",
+            replicate_degree=2 if hsdp else None,
+            wrap_policy="per_layer",
+            tp_degree=tp,
+            tp_plan={"l1": ColwiseParallel(), "l2": RowwiseParallel()},
+        )
+        return shard_model(model, config, device=torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
     if fsdp:
         fully_shard(model, mesh=mesh["dp"])
@@ -131,6 +150,8 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
     out["expected_batch"] = opt.expected_batch_size
     out["divisor"] = opt.world_size
     out["api"] = engine.distributed_api
+    p = model.l1.weight
+    out["mesh"] = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape))
     return out
 
 
@@ -140,3 +161,46 @@ def tensor_parallel(rank: int, world: int, layout: str) -> dict:
     if world != dp * tp:
         raise ValueError(f"{layout} needs {dp * tp} ranks, got {world}")
     return {noise: private_run(layout, noise) for noise in (0.0, SIGMA)}
+
+
+def llama_tp(rank: int, world: int) -> dict:
+    """Tiny Llama (GQA: 4 query, 2 key/value heads) with ``ShardingConfig(tp_degree=2)``'s
+    Llama plan, on a (dp_shard world/2, tp 2) mesh: one private step against the loop.
+
+    Poisson sampling is off here: one fixed batch, so the loop replays it without the sampler
+    (the sampler's part under tensor parallelism is checked by :func:`tensor_parallel`).
+    """
+    import copy
+
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from opacus_fsdp_sync.testing import clip_each_sample_step
+    from tests.private import lm_loss, make_private
+    from tests.workers_tied import llama_sample_loss
+
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny"))
+    dp, b_local = world // 2, 2
+    ids = torch.randint(
+        1, base.config.vocab_size, (b_local * dp, 8), generator=torch.Generator().manual_seed(7)
+    )
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), llama_sample_loss, ids, ids, 1.0)
+    c = norms.median().item()
+    ref = copy.deepcopy(base)
+    clip_each_sample_step(ref, llama_sample_loss, ids, ids, c, LR)
+    model = shard_model(
+        copy.deepcopy(base), ShardingConfig(tp_degree=2), device=torch.device("cpu")
+    )
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(), model, (ids,), b_local * dp, c, "ghost_fsdp", lr=LR
+    )
+    share = (rank // 2) * b_local  # the tp ranks of one data-parallel group: the same examples
+    lm_loss(gsm, crit, ids[share : share + b_local]).backward()
+    opt.step()
+    full = _full(model)
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    sharded = sorted(
+        n
+        for n, p in model.named_parameters()
+        if "tp" in (p.device_mesh.mesh_dim_names or ()) and not p.placements[-1].is_replicate()
+    )
+    return {"diff": diff, "clipped": int((norms > c).sum()), "n": len(norms), "tp_sharded": sharded}

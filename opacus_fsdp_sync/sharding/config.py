@@ -61,6 +61,15 @@ class ShardingConfig:
     tied_weights: str = "shard_together"
     """``shard_together`` keeps every layer owning a shared weight in one unit; ``refuse``
     raises if the model shares weights."""
+    tp_degree: int = 1
+    """Tensor-parallel degree (FSDP2 only): above 1, ``parallelize_module`` applies
+    :attr:`tp_plan` over a mesh dimension ``"tp"`` of this size before ``fully_shard`` shards
+    over the data-parallel dimensions (torchtitan's mesh: ``dp_replicate``, ``dp_shard``,
+    ``tp``). The world size must be a multiple of it."""
+    tp_plan: dict | None = None
+    """``{module name: ParallelStyle}`` for ``parallelize_module``; None with ``tp_degree > 1``
+    takes the Llama plan (:func:`~opacus_fsdp_sync.sharding.tensor_parallel.llama_tp_plan`:
+    q/k/v/gate/up column-wise, o/down row-wise in every decoder layer)."""
 
     def __post_init__(self) -> None:
         for field, value, allowed in (
@@ -77,6 +86,18 @@ class ShardingConfig:
             raise ValueError(f"min_num_params={self.min_num_params}: must be at least 1")
         if self.replicate_degree is not None and self.replicate_degree < 1:
             raise ValueError(f"replicate_degree={self.replicate_degree}: must be at least 1")
+        if not isinstance(self.tp_degree, int) or self.tp_degree < 1:
+            raise ValueError(f"tp_degree={self.tp_degree!r}: must be a whole number, at least 1")
+        if self.tp_degree > 1 and self.backend != "fsdp2":
+            raise ValueError(
+                f"tp_degree={self.tp_degree} needs backend='fsdp2' (FSDP1 does not compose with "
+                "torch's tensor parallelism here)"
+            )
+        if self.tp_degree > 1 and self.strategy == "no_shard":
+            raise ValueError(
+                f"tp_degree={self.tp_degree} with strategy='no_shard' is not tested: use 'full' "
+                "or 'hybrid_full'"
+            )
 
     @classmethod
     def for_precision(cls, precision: str, **kwargs) -> ShardingConfig:

@@ -12,6 +12,7 @@ from ..layers.tied import find_shared_parameters
 from .config import ShardingConfig
 from .fsdp1 import shard_fsdp1
 from .fsdp2 import build_mesh, shard_fsdp2
+from .tensor_parallel import apply_tensor_parallel
 from .wrap import find_blocks
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,17 @@ def shard_model(
             "cpu_offload=True needs a CUDA device (on the CPU the parameters already live in "
             "host memory); set cpu_offload=False."
         )
+    mesh = None
+    if config.tp_degree > 1:  # torchtitan's order: TP, activation checkpointing, fully_shard
+        mesh = build_mesh(config, device.type)
+        apply_tensor_parallel(model, config, mesh)
     if config.activation_checkpointing:
         _apply_activation_checkpointing(model, config)
-    sharded = _SHARDERS[config.backend](model, config, device)
+    sharded = (
+        shard_fsdp2(model, config, mesh)
+        if mesh is not None
+        else _SHARDERS[config.backend](model, config, device)
+    )
     logger.info(
         "[Ghost] sharded %s: backend=%s strategy=%s wrap=%s%s",
         type(model).__name__,
