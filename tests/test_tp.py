@@ -18,11 +18,6 @@ from tests import workers_tp as wt
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-#: Parameters sharded over tp (l1 column-wise: weight and bias; l2 row-wise: weight).
-TP_SHARDED = ("l1.weight", "l1.bias", "l2.weight")
-#: Parameters replicated over tp (l2's bias, l3 left out of the plan).
-TP_REPLICATED = ("l2.bias", "l3.weight", "l3.bias")
-
 
 @pytest.fixture(scope="module", params=list(wt.LAYOUTS))
 def layout_results(request):
@@ -31,14 +26,16 @@ def layout_results(request):
     return layout, run_ranks(wt.tensor_parallel, dp * tp, layout, timeout=600)
 
 
-def _loop(selections):
+def _loop(selections, kind):
     """The loop's parameters after each step, and the first step's per-sample norms."""
-    model = wt.base()
+    model = wt.base(kind)
     x, y = wt.dataset().tensors
     params, first_norms = [], None
     for sel in selections:
         idx = torch.tensor(sel, dtype=torch.long)
-        grads, norms = per_sample_clipped_grads(model, wt.sample_loss, x[idx], y[idx], wt.C, "sum")
+        grads, norms = per_sample_clipped_grads(
+            model, wt.sample_loss, x[idx], y[idx], wt.CLIP[kind], "sum"
+        )
         if first_norms is None:
             first_norms = norms
         with torch.no_grad():
@@ -51,20 +48,21 @@ def _loop(selections):
 def test_exact_against_the_clip_each_sample_loop(layout_results):
     layout, results = layout_results
     r0 = results[0][0.0]
-    assert r0["api"] == ("tp" if layout == "tp_alone" else "fsdp2")
+    assert r0["api"] == ("fsdp2" if wt.LAYOUTS[layout][2] else "tp")
     if layout == "shard_model_hsdp_tp":  # torchtitan's names, HSDP x TP
         assert r0["mesh"] == (("dp_replicate", "dp_shard", "tp"), (2, 1, 2)), r0["mesh"]
-    elif layout == "shard_model_tp":
-        assert r0["mesh"] == (("dp_shard", "tp"), (2, 2)), r0["mesh"]
-    loop, norms = _loop(r0["selections"])
-    assert (norms > wt.C).sum() >= 2 and (norms < wt.C).sum() >= 1, norms  # clipping active
+    kind = wt.model_kind(layout)
+    start = wt.base(kind).state_dict()
+    loop, norms = _loop(r0["selections"], kind)
+    c = wt.CLIP[kind]
+    assert (norms > c).sum() >= 2 and (norms < c).sum() >= 1, norms  # clipping active
     for res in results:
         run = res[0.0]
         assert run["selections"] == r0["selections"]
         for step in range(wt.STEPS):
             for n, want in loop[step].items():
                 got = run["full"][step][n]
-                scale = max(1.0, (want - wt.base().state_dict()[n]).abs().max().item())
+                scale = max(1.0, (want - start[n]).abs().max().item())
                 assert (got - want).abs().max().item() <= 1e-6 * scale, (layout, step, n)
         if run["norms"] is not None:  # this rank's share of the first draw, all tp ranks' sum
             local = torch.tensor(r0["selections"][0]).tensor_split(run["shares"])[run["share"]]
@@ -88,7 +86,7 @@ def test_data_parallel_degree_comes_from_the_mesh(layout_results):
 
 def test_noise_per_placement(layout_results):
     layout, results = layout_results
-    std = wt.SIGMA * wt.C / wt.BATCH
+    std = wt.SIGMA * wt.CLIP[wt.model_kind(layout)] / wt.BATCH
     noise = {}
     for rank, res in enumerate(results):
         quiet, noisy = res[0.0], res[wt.SIGMA]
@@ -106,25 +104,27 @@ def test_noise_per_placement(layout_results):
     assert full.numel() >= 20_000
     assert abs(full.std().item() / std - 1.0) < 0.02, full.std().item() / std
     assert abs(full.mean().item()) < 0.02 * std
+    kind = wt.model_kind(layout)
     for rank in range(0, len(results), 2):  # each tp pair (tp is the inner dimension)
         a, b = noise[rank], noise[rank + 1]
-        for n in TP_REPLICATED:  # replicated over tp: the same noise, bit for bit
+        for n in wt.TP_REPLICATED[kind]:  # replicated over tp: the same noise, bit for bit
             assert torch.equal(a[n], b[n]), (layout, n)
             assert torch.equal(
                 results[rank][wt.SIGMA]["local"][1][n], results[rank + 1][wt.SIGMA]["local"][1][n]
             ), (layout, n)
-        halves = [torch.cat([x[n].flatten() for n in TP_SHARDED]) for x in (a, b)]
+        halves = [torch.cat([x[n].flatten() for n in wt.TP_SHARDED[kind]]) for x in (a, b)]
         assert halves[0].numel() >= 10_000
         corr = torch.corrcoef(torch.stack(halves))[0, 1].item()
         assert abs(corr) < 0.05, (layout, corr)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_llama_with_the_default_tp_plan_is_exact(world):
-    """Hugging Face's Llama (grouped-query attention) under ``ShardingConfig(tp_degree=2)``."""
-    for res in run_ranks(wt.llama_tp, world, timeout=600):
+def test_llama_with_the_default_tp_plan_is_exact():
+    """Hugging Face's Llama (grouped-query attention) under ``ShardingConfig(tp_degree=2)`` on a
+    (dp_shard 2, tp 2) mesh."""
+    for res in run_ranks(wt.llama_tp, 4, timeout=600):
         assert res["clipped"] >= 1 and res["clipped"] < res["n"], res
         assert res["diff"] < 1e-6, res
+        assert res["mesh"] == (("dp_shard", "tp"), (2, 2)), res["mesh"]  # torchtitan's names
         # every attention and MLP projection of both layers is sharded over tp
         assert len([n for n in res["tp_sharded"] if n.endswith("proj.weight")]) == 14, res
 
@@ -140,3 +140,12 @@ def test_tp_degree_is_validated_and_the_llama_plan_names_what_it_needs():
         ShardingConfig(tp_degree=2, backend="fsdp1")
     with pytest.raises(ValueError, match="tp_plan"):
         llama_tp_plan(wt.base())  # no Llama projections: the error says to pass tp_plan
+
+
+def test_sequence_parallel_layers_without_an_exact_norm_are_refused():
+    for res in run_ranks(wt.sp_refusals, 2, timeout=300):
+        head = res["plain_head"]
+        assert head and "UnsupportedConfigurationError" in head and "Linear" in head, head
+        assert "fewer tokens" in head, head
+        norm = res["layernorm"]
+        assert norm and "LayerNorm" in norm and "SequenceParallel" in norm, norm

@@ -29,19 +29,35 @@ warnings.filterwarnings("ignore")
 
 #: Dataset size, expected global batch, tokens, widths, clipping bound, noise multiplier,
 #: learning rate, private steps per run.
-N, BATCH, T, D, H, C, SIGMA, LR, STEPS = 24, 4, 3, 64, 512, 12.0, 1.0, 0.5, 2
+N, BATCH, T, D, H, SIGMA, LR, STEPS = 24, 4, 4, 64, 512, 1.0, 0.5, 2
+#: Each model's clipping bound: some of the first draw's norms above it, some below.
+CLIP = {"seq": 11.0, "sp": 7.0}
 #: The runs' ``dp_seed``: its first draws leave one data-parallel share empty on the 2 x 2
 #: mesh (the test checks it happened).
 DP_SEED = 29
 #: Layout -> (dp degree, tp degree, whether fully_shard wraps the model over dp). The
-#: ``shard_model_*`` layouts come from ``ShardingConfig(tp_degree=2)``: FSDP2 x TP on a
-#: (dp_shard 2, tp 2) mesh, and HSDP x TP on a (dp_replicate 2, dp_shard 1, tp 2) mesh.
+#: ``shard_model_*`` layout comes from ``ShardingConfig(tp_degree=2)``: HSDP x TP on a
+#: (dp_replicate 2, dp_shard 1, tp 2) mesh (its FSDP2 x TP mesh is the Llama test's).
 LAYOUTS = {
     "fsdp2_tp": (2, 2, True),
     "tp_alone": (1, 2, False),
-    "shard_model_tp": (2, 2, True),
     "shard_model_hsdp_tp": (2, 2, True),
+    "sp_fsdp2_tp": (2, 2, True),  # sequence parallelism (SPNet)
 }
+#: Each model's parameters sharded over tp, and those replicated over tp.
+TP_SHARDED = {
+    "seq": ("l1.weight", "l1.bias", "l2.weight"),
+    "sp": ("l1.weight", "l1.bias", "l2.weight", "l3.weight", "l3.bias"),
+}
+TP_REPLICATED = {
+    "seq": ("l2.bias", "l3.weight", "l3.bias"),
+    "sp": ("inp.weight", "inp.bias", "norm.weight", "l2.bias"),
+}
+
+
+def model_kind(layout: str) -> str:
+    """``"sp"`` for the sequence-parallel layouts (:class:`SPNet`), else ``"seq"``."""
+    return "sp" if layout.startswith("sp_") else "seq"
 
 
 class SeqNet(nn.Module):
@@ -55,10 +71,47 @@ class SeqNet(nn.Module):
         return self.l3(x + self.l2(torch.relu(self.l1(x)))).mean(1)
 
 
-def base() -> SeqNet:
+class SPNet(nn.Module):
+    """Sequence parallelism: a Linear on every token, then the sequence split over tp
+    (``split``), a ``SequenceParallel`` RMSNorm, ``l1`` column-wise from the split sequence,
+    ``l2`` row-wise back to it, a residual on the split sequence, and ``l3`` column-wise
+    gathering the sequence; 70,728 parameters. Unparallelized, ``split`` passes everything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        self.inp, self.split, self.norm = nn.Linear(D, D), nn.Identity(), LlamaRMSNorm(D)
+        self.l1, self.l2, self.l3 = nn.Linear(D, H), nn.Linear(H, D), nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.split(self.inp(x))
+        h = h + self.l2(torch.relu(self.l1(self.norm(h))))
+        return self.l3(h).mean(1)
+
+
+def sp_plan() -> dict:
+    """:class:`SPNet`'s sequence-parallel plan (torchtitan's styles for a block)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+
+    return {
+        "split": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "l1": ColwiseParallel(input_layouts=Shard(1)),
+        "l2": RowwiseParallel(output_layouts=Shard(1)),
+        "l3": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def base(kind: str = "seq") -> nn.Module:
     """The unsharded model every layout starts from (the loop's copy too)."""
     torch.manual_seed(0)
-    return SeqNet()
+    model = SPNet() if kind == "sp" else SeqNet()
+    if kind == "sp":
+        with torch.no_grad():  # a non-trivial norm weight
+            model.norm.weight.uniform_(0.5, 1.5)
+    return model
 
 
 def sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -67,7 +120,7 @@ def sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 def dataset() -> TensorDataset:
-    """``N`` sequences; per-sample gradient norms of the initial model above ``C`` for most."""
+    """``N`` sequences; per-sample gradient norms of the initial models around their ``CLIP``."""
     g = torch.Generator().manual_seed(1)
     return TensorDataset(
         2 * torch.randn(N, T, D, generator=g), torch.randint(0, 4, (N,), generator=g)
@@ -78,19 +131,26 @@ def build(layout: str) -> nn.Module:
     """``l1`` column-wise and ``l2`` row-wise over the mesh's ``"tp"`` dimension; FSDP2 over
     ``"dp"`` where the layout says so."""
     dp, tp, fsdp = LAYOUTS[layout]
-    model = base()
-    if layout.startswith("shard_model"):
-        hsdp = layout == "shard_model_hsdp_tp"
+    model = base(model_kind(layout))
+    if layout == "shard_model_hsdp_tp":
         config = ShardingConfig(
-            strategy="hybrid_full" if hsdp else "full",
-            replicate_degree=2 if hsdp else None,
+            strategy="hybrid_full",
+            replicate_degree=2,
             wrap_policy="per_layer",
             tp_degree=tp,
             tp_plan={"l1": ColwiseParallel(), "l2": RowwiseParallel()},
         )
         return shard_model(model, config, device=torch.device("cpu"))
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+    plan = (
+        sp_plan()
+        if model_kind(layout) == "sp"
+        else {
+            "l1": ColwiseParallel(),
+            "l2": RowwiseParallel(),
+        }
+    )
+    parallelize_module(model, mesh["tp"], plan)
     if fsdp:
         fully_shard(model, mesh=mesh["dp"])
     return model
@@ -129,7 +189,7 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
         criterion=nn.CrossEntropyLoss(),
         data_loader=DataLoader(dataset(), batch_size=BATCH),
         noise_multiplier=noise,
-        max_grad_norm=C,
+        max_grad_norm=CLIP[model_kind(layout)],
         grad_sample_mode="ghost_fsdp",
     )
     out = {"full": [], "local": [], "sizes": [], "norms": None}
@@ -190,6 +250,8 @@ def llama_tp(rank: int, world: int) -> dict:
     model = shard_model(
         copy.deepcopy(base), ShardingConfig(tp_degree=2), device=torch.device("cpu")
     )
+    p = model.model.layers[0].self_attn.q_proj.weight
+    mesh = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape))
     gsm, opt, crit, _ = make_private(
         PrivacyEngine(), model, (ids,), b_local * dp, c, "ghost_fsdp", lr=LR
     )
@@ -203,4 +265,45 @@ def llama_tp(rank: int, world: int) -> dict:
         for n, p in model.named_parameters()
         if "tp" in (p.device_mesh.mesh_dim_names or ()) and not p.placements[-1].is_replicate()
     )
-    return {"diff": diff, "clipped": int((norms > c).sum()), "n": len(norms), "tp_sharded": sharded}
+    return {
+        "diff": diff,
+        "clipped": int((norms > c).sum()),
+        "n": len(norms),
+        "tp_sharded": sharded,
+        "mesh": mesh,
+    }
+
+
+def sp_refusals(rank: int, world: int) -> dict:
+    """What sequence parallelism refuses, on TP alone: the refusal message of each case.
+
+    ``plain_head``: ``l3`` left out of the plan, fed this rank's tokens as a plain tensor;
+    ``layernorm``: ``SequenceParallel`` on an ``nn.LayerNorm`` (Opacus's norm, not summed over
+    tp). Poisson sampling is off: one fixed batch is enough to reach the refusal.
+    """
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from tests.private import make_private
+
+    out = {}
+    for case in ("plain_head", "layernorm"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        model = base("sp")
+        plan = sp_plan()
+        if case == "plain_head":
+            del plan["l3"]
+        else:
+            model.norm = nn.LayerNorm(D)
+            plan["norm"] = SequenceParallel()
+        parallelize_module(model, mesh, plan)
+        x, y = dataset().tensors
+        gsm, opt, crit, _ = make_private(
+            PrivacyEngine(), model, (x[:4], y[:4]), 4, 1.0, "ghost_fsdp", lr=LR
+        )
+        try:
+            crit(gsm(x[:4]), y[:4]).backward()
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            out[case] = f"{type(err).__name__}: {err}"
+        else:
+            out[case] = None
+    return out

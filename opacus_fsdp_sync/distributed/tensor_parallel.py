@@ -270,3 +270,72 @@ def two_pass_overrides(layout: TensorParallelLayout | None, options) -> dict:
         "yet; each step runs two passes (norms, then the reweighted loss)"
     )
     return {"one_backward": False}
+
+
+def sequence_group(t):
+    """The tp group a DTensor is sharded over along the sequence (dim 1), or None.
+
+    Sequence parallelism (``SequenceParallel``, ``RowwiseParallel(output_layouts=Shard(1))``)
+    splits activations over tp along the tokens.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return None
+    for i in _tp_dims(t):
+        pl = t.placements[i]
+        if isinstance(pl, Shard) and pl.dim in (1, 1 - t.dim()):
+            return t.device_mesh.get_group(i)
+    return None
+
+
+def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
+    """The full sequence of a tensor sharded over ``group`` along dim 1 (rank order).
+
+    Raises:
+        UnsupportedConfigurationError: for uneven shards (a sequence length the tp degree does
+            not divide).
+    """
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def sum_sequence_shards(per_sample: torch.Tensor, group) -> torch.Tensor:
+    """Per-sample gradients of a tp-replicated parameter summed over its sequence shards."""
+    if group is None:
+        return per_sample
+    total = per_sample.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def own_output_features(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
+    """A column-wise layer's output gradient restricted to its shard's output features.
+
+    ``ColwiseParallel(output_layouts=Replicate())`` gathers the output features after the
+    layer: its output gradient then covers every feature while the layer holds this rank's
+    rows of the weight. Anything else is returned as it is.
+
+    Raises:
+        UnsupportedConfigurationError: for an output split the weight's shard does not match.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, DTensor) or grad.shape[-1] != weight.shape[0]:
+        return grad
+    dims = [i for i in _tp_dims(weight) if isinstance(weight.placements[i], Shard)]
+    if not dims or weight.placements[dims[0]].dim != 0:
+        return grad
+    rows = weight.to_local().shape[0]
+    if rows == weight.shape[0]:
+        return grad
+    mesh = weight.device_mesh
+    part = grad.chunk(mesh.size(dims[0]), dim=-1)[mesh.get_local_rank(dims[0])]
+    if part.shape[-1] != rows:
+        raise UnsupportedConfigurationError(
+            f"{type(module).__name__}: output gradient of {grad.shape[-1]} features does not "
+            f"split into this rank's {rows} weight rows"
+        )
+    return part

@@ -12,6 +12,7 @@ the layers no room claims (:mod:`.replay`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
@@ -24,7 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import in_backward
-from ..distributed.tensor_parallel import local
+from ..distributed.tensor_parallel import (
+    gather_sequence,
+    local,
+    own_output_features,
+    sequence_group,
+)
+from ..errors import UnsupportedConfigurationError
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
@@ -183,7 +190,17 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         tensor): it is captured as its local tensor, of which the hooks compute the partial
         norms of the layer's shards (:mod:`..distributed.tensor_parallel`).
         """
+        if (
+            self._tp_sum is not None
+            and forward_input
+            and self.hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and not in_backward()
+        ):
+            self._note_tokens(module, forward_input[0])
         if any(isinstance(t, DTensor) for t in forward_input):
+            self._note_tp_input(module, forward_input)
             forward_input = tuple(local(t) for t in forward_input)
         if (
             self.gram_cache is not None
@@ -220,6 +237,82 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
                 "clipping needs one call per layer per forward."
             )
         return None
+
+    def _note_tokens(self, module: nn.Module, first) -> None:
+        """Tensor parallelism: each layer's tokens this forward, and whether TP laid them out.
+
+        Under sequence parallelism a layer outside the tp plan that is fed this rank's tokens
+        as a plain tensor would report the norm of a partial gradient as its own:
+        :meth:`check_sequence_layout` refuses it.
+        """
+        if isinstance(first, torch.Tensor) and first.dim() > 2:
+            tokens = local(first).shape[1]
+            self._tp_step_tokens[module] = (tokens, isinstance(first, DTensor))
+            module._tp_tokens = tokens
+
+    def check_sequence_layout(self) -> None:
+        """Raises if a layer outside the tp plan ran on fewer tokens than the others.
+
+        Raises:
+            UnsupportedConfigurationError: naming the layers (sequence parallelism needs every
+                trainable layer past the sequence split in the tp plan: tensor-parallel
+                ``Linear`` layers or ``SequenceParallel`` RMSNorm layers).
+        """
+        seen, self._tp_step_tokens = self._tp_step_tokens, {}
+        if not seen:
+            return
+        full = max(t for t, _ in seen.values())
+        short = [type(m).__name__ for m, (t, laid_out) in seen.items() if t < full and not laid_out]
+        if short:
+            raise UnsupportedConfigurationError(
+                f"{', '.join(sorted(set(short)))} ran on a plain tensor of fewer tokens than the "
+                f"sequence ({full}): under sequence parallelism their per-sample gradients are "
+                "this rank's part only. Put them in the tp plan (ColwiseParallel/"
+                "RowwiseParallel for Linear, SequenceParallel for RMSNorm) or feed them the "
+                "whole sequence (e.g. ColwiseParallel(input_layouts=Shard(1)))."
+            )
+
+    def _note_tp_input(self, module: nn.Module, forward_input) -> None:
+        """Records a tensor-parallel layer's tokens, and a sequence-sharded input's tp group.
+
+        A layer whose input is split over tp along the tokens (sequence parallelism) computes
+        partial per-sample gradients: its room sums them over ``module._tp_sequence_group``
+        before the norm (:func:`..distributed.tensor_parallel.sum_sequence_shards`).
+        """
+        first = forward_input[0]
+        group = sequence_group(first)
+        sampler = self.NORM_SAMPLERS.get(self._get_type(module))
+        if group is not None and not getattr(sampler, "sums_sequence_shards", False):
+            raise UnsupportedConfigurationError(
+                f"{type(module).__name__} runs on sequence shards (sequence parallelism) and its "
+                "per-sample norm does not sum them over tp: under SequenceParallel only "
+                "RMSNorm-like layers (Hugging Face's LlamaRMSNorm and its copies) are supported."
+            )
+        module._tp_sequence_group = group
+
+    def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
+        """Local output gradients; those split over tp along the tokens gathered first.
+
+        Sequence parallelism splits a layer's output along the tokens after the layer ran on
+        all of them (``RowwiseParallel(output_layouts=Shard(1))``, ``PrepareModuleOutput`` to
+        ``Shard(1)``): its output gradient then holds this rank's tokens while its input holds
+        every token. The gradient is all-gathered over tp along the tokens, so that both cover
+        the same tokens.
+        """
+        grads = tuple(local(g) if isinstance(g, DTensor) else g for g in forward_output)
+        tokens = getattr(module, "_tp_tokens", None)
+        g = grads[0] if grads else None
+        if self._tp_group is not None and tokens and g is not None and g.dim() > 2:
+            if g.shape[1] * dist.get_world_size(self._tp_group) == tokens:
+                grads = (gather_sequence(g, self._tp_group), *grads[1:])
+            elif g.shape[1] != tokens:
+                raise UnsupportedConfigurationError(
+                    f"{type(module).__name__} sees {tokens} tokens in its input but {g.shape[1]}"
+                    " in its output gradient: not a split of the sequence over tp"
+                )
+        if self._tp_group is not None and grads and grads[0] is not None:
+            grads = (own_output_features(module, grads[0]), *grads[1:])
+        return super().capture_backprops_hook(module, forward_input, grads, *args, **kwargs)
 
 
 class GhostGradSampleModule(_Ours, GradSampleModuleFastGradientClipping):

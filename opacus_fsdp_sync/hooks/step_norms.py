@@ -21,7 +21,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
-from ..distributed.tensor_parallel import tp_norm_sum, tp_sharded
+from ..distributed.tensor_parallel import tp_group, tp_norm_sum, tp_sharded
 
 
 class NoNormsError(RuntimeError):
@@ -51,12 +51,17 @@ class StepNormsMixin:
         #: Per layer (FSDP) or parameter id (one device): whether each norm is a tp shard's.
         self._tp_partial: dict[int, list[bool]] = {}
         self._tp_sum = None
+        #: The tp process group (tensor parallelism), else None.
+        self._tp_group = None
+        #: Tokens each layer saw in this forward, under tensor parallelism (see the hooks).
+        self._tp_step_tokens: dict = {}
         if not sharded:
             return
         for m in hooked:
             flags = [tp_sharded(p) for p in m.parameters(recurse=False) if p.requires_grad]
             self._tp_partial[id(m)] = flags
         self._tp_sum = tp_norm_sum(sharded[0])
+        self._tp_group = tp_group(sharded[0])
 
     def reset_norms(self) -> None:
         """Forgets every layer's per-sample norms (the start of a backward)."""
@@ -89,6 +94,7 @@ class StepNormsMixin:
         """
         norms = self._reported_norms()
         if norms and self._tp_sum is not None:  # tensor parallelism: shards' squares over tp
+            self.check_sequence_layout()
             norm = self._tp_sum(self._reported_norms(True), self._reported_norms(False))
             self.per_sample_gradient_norms = norm
             return norm
@@ -101,6 +107,9 @@ class StepNormsMixin:
         norm = torch.stack([ns.to(device) for ns in norms], dim=0).norm(2, dim=0)
         self.per_sample_gradient_norms = norm
         return norm
+
+    def check_sequence_layout(self) -> None:
+        """Nothing here; the hooks check the layers' tokens under tensor parallelism."""
 
     def _reported_tp_norms(self, partial: bool) -> list[torch.Tensor]:
         if not self._norms_per_module:

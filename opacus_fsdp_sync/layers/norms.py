@@ -36,6 +36,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from torch import nn
 
+from ..distributed.tensor_parallel import sum_sequence_shards
 from .registry import LayerRoom, Unavailable, register_layer, room_named
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,13 @@ def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> to
 def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
     """Per-sample gradient norm of an RMSNorm weight (Opacus's norm-sampler signature)."""
     g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
+    # sequence parallelism: this rank's tokens only; the sum over tp comes before the norm
+    g = sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None))
     return {layer.weight: g.float().norm(2, dim=-1)}
+
+
+#: The hooks accept this sampler on sequence-sharded inputs (it sums them over tp).
+rms_norm_sample.sums_sequence_shards = True
 
 
 def _opacus_handles(cls: type) -> bool:
