@@ -75,7 +75,7 @@ class SPNet(nn.Module):
     """Sequence parallelism: a Linear on every token, then the sequence split over tp
     (``split``), a ``SequenceParallel`` RMSNorm, ``l1`` column-wise from the split sequence,
     ``l2`` row-wise back to it, a residual on the split sequence, and ``l3`` column-wise
-    gathering the sequence; 70,728 parameters. Unparallelized, ``split`` passes everything."""
+    gathering the sequence; 70,596 parameters. Unparallelized, ``split`` passes everything."""
 
     def __init__(self) -> None:
         super().__init__()
