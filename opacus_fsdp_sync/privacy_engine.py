@@ -25,7 +25,6 @@ from .distributed.tensor_parallel import (
     data_parallel_degree,
     data_parallel_rank,
     tensor_parallel_layout,
-    two_pass_overrides,
 )
 from .empty_batch import EmptyBatchStandIn
 from .errors import UnsupportedConfigurationError
@@ -183,11 +182,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             self._plan = self._plan_call(kwargs, opts)
+            #: The options the last model made private runs with (engine's and the call's).
+            self.last_options = opts
             try:
-                with self._call_options(two_pass_overrides(self._plan.tp, opts)):
-                    #: The options the last model made private runs with (engine's and call's).
-                    self.last_options = self._options_now()
-                    made = super().make_private(**kwargs)
+                made = super().make_private(**kwargs)
             finally:
                 self._plan = _CallPlan()
         sampler = made[-1].batch_sampler

@@ -56,9 +56,12 @@ def test_exact_against_the_clip_each_sample_loop(layout_results):
     loop, norms = _loop(r0["selections"], kind)
     c = wt.CLIP[kind]
     assert (norms > c).sum() >= 2 and (norms < c).sum() >= 1, norms  # clipping active
-    for res in results:
-        run = res[0.0]
+    runs = [res[0.0] for res in results]
+    runs += [res["two_pass"] for res in results if "two_pass" in res]
+    for run in runs:
         assert run["selections"] == r0["selections"]
+        took = [ob for ob, n in zip(run["one_backward"], run["sizes"]) if n]
+        assert took and all(ob == run["asked"] for ob in took), (layout, run["one_backward"])
         for step in range(wt.STEPS):
             for n, want in loop[step].items():
                 got = run["full"][step][n]

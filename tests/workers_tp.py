@@ -44,6 +44,8 @@ LAYOUTS = {
     "shard_model_hsdp_tp": (2, 2, True),
     "sp_fsdp2_tp": (2, 2, True),  # sequence parallelism (SPNet)
 }
+#: Layouts also run with two backward passes (``one_backward=False``), noise 0.
+TWO_PASS = ("fsdp2_tp", "sp_fsdp2_tp")
 #: Each model's parameters sharded over tp, and those replicated over tp.
 TP_SHARDED = {
     "seq": ("l1.weight", "l1.bias", "l2.weight"),
@@ -192,7 +194,7 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
         max_grad_norm=CLIP[model_kind(layout)],
         grad_sample_mode="ghost_fsdp",
     )
-    out = {"full": [], "local": [], "sizes": [], "norms": None}
+    out = {"full": [], "local": [], "sizes": [], "norms": None, "asked": one_backward}
     batches = iter(loader)
     for step in range(STEPS):
         xb, yb = next(batches)
@@ -201,6 +203,7 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
             out["norms"] = gsm.per_sample_gradient_norms.detach().clone()
         opt.step()
         opt.zero_grad()
+        out.setdefault("one_backward", []).append(engine.one_backward)
         out["sizes"].append(len(xb))
         out["full"].append(_full(model))
         out["local"].append(_locals(model))
@@ -220,7 +223,10 @@ def tensor_parallel(rank: int, world: int, layout: str) -> dict:
     dp, tp, _ = LAYOUTS[layout]
     if world != dp * tp:
         raise ValueError(f"{layout} needs {dp * tp} ranks, got {world}")
-    return {noise: private_run(layout, noise) for noise in (0.0, SIGMA)}
+    out = {noise: private_run(layout, noise) for noise in (0.0, SIGMA)}
+    if layout in TWO_PASS:
+        out["two_pass"] = private_run(layout, 0.0, one_backward=False)
+    return out
 
 
 def llama_tp(rank: int, world: int) -> dict:

@@ -28,6 +28,7 @@ from . import version_gate
 from .api import FSDP2, ApiRecord, Capabilities
 from .layout import listing, world_size
 from .single import NullController
+from .tensor_parallel import as_param_grad
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
@@ -215,7 +216,10 @@ class FSDP2Handoff:
                 del grads
             with reduce_phase():
                 for pid in [pid for pid in pending if index[pid][0] == gi]:
-                    internals.set_unsharded_grad(index[pid][1], pending.pop(pid)[1])
+                    fp, grad = index[pid][1], pending.pop(pid)[1]
+                    # a tp shard becomes a DTensor of the unsharded parameter's placements
+                    grad = as_param_grad(internals.unsharded_param(fp), grad)
+                    internals.set_unsharded_grad(fp, grad)
                 internals.group_post_backward(groups[gi])
         if pending:  # cannot happen: every parameter's group was visited
             raise internals.FSDPInternalsError(

@@ -6,12 +6,18 @@ the input features (``Shard(1)``; its bias is replicated). Every tp rank of a da
 group sees the same examples, and each computes the part of every sample's gradient that
 belongs to its shard. What exact flat clipping needs, and where it is done:
 
-- **Per-sample norms** (:meth:`TensorParallelLayout.total_norm`): the squared norm of a sample's
+- **Per-sample norms** (:func:`tp_norm_sum`): the squared norm of a sample's
   gradient is the sum of its shards' partial squared norms, all-reduced over the tp group once
   per step before the square root; a parameter replicated over tp (a norm weight, a rowwise
   bias, a layer left out of the plan) is counted once. The hooks see the layer's input as a
   DTensor and its output gradient as a local tensor; both are taken as local tensors
   (:func:`local`), which is what the partial norms are of.
+- **Sequence parallelism**: an output gradient split over tp along the tokens is gathered
+  (:func:`gather_sequence`), a column-wise layer's gathered output features are cut back to its
+  rows (:func:`own_output_features`), an RMSNorm's per-sample and clipped gradients on sequence
+  shards are summed over tp (:func:`sum_sequence_shards`).
+- **Clipped gradients** (one backward): the layer rooms compute them from the local tensors,
+  which gives this rank's tp shard; :func:`as_param_grad` hands it over as a DTensor.
 - **Noise per placement** (:func:`noise_keys`): a coordinate sharded over tp gets its own draw on
   each tp rank, a coordinate replicated over tp the same draw on every tp rank (the replicas
   stay bit-identical).
@@ -256,20 +262,26 @@ def data_parallel_rank(layout: TensorParallelLayout | None, rank: int) -> int:
     return rank if layout is None else layout.dp_rank
 
 
-def two_pass_overrides(layout: TensorParallelLayout | None, options) -> dict:
-    """Options a tensor-parallel model runs with: two passes instead of one backward (logged).
+def as_param_grad(param, grad: torch.Tensor) -> torch.Tensor:
+    """A clipped gradient computed on local tensors, as the gradient ``param`` takes.
 
-    One backward's hand-off gives FSDP2 full unsharded gradients; a tensor-parallel layer's
-    are tp shards (DTensors), which it does not build yet. The two-pass step's second backward
-    lets autograd produce them, exact either way.
+    A tensor-parallel parameter (a DTensor on the tp mesh: FSDP2's unsharded parameter, or TP
+    alone's) takes a DTensor of its placements whose local tensor is this rank's shard (the
+    layer rooms compute exactly that from the local inputs and output gradients); a plain
+    parameter takes ``grad`` as it is.
     """
-    if layout is None or not options.one_backward:
-        return {}
-    logger.warning(
-        "[Ghost] tensor parallelism: one backward does not hand tp-sharded gradients to FSDP2 "
-        "yet; each step runs two passes (norms, then the reweighted loss)"
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or isinstance(grad, DTensor):
+        return grad
+    return DTensor.from_local(
+        grad.contiguous(),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )
-    return {"one_backward": False}
 
 
 def sequence_group(t):

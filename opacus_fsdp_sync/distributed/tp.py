@@ -5,8 +5,8 @@ shared Poisson draw whole), the per-sample norms of tp-sharded parameters are su
 tp group (:mod:`.tensor_parallel`), and the optimizer draws each tp shard's own noise and the
 same noise for parameters replicated over tp. Nothing averages gradients over ranks. There is
 no gradient sync to skip in the first pass (the tp collectives of the backward carry the
-activations' gradients); the second pass lets autograd produce the tp shards' clipped
-gradients (one backward does not hand them over yet).
+activations' gradients); one backward hands each parameter its clipped gradient's tp shard
+as a DTensor.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnsupportedConfigurationError
-from .api import TP, ApiRecord, Capabilities
+from .api import TP, ApiRecord, Capabilities, WholeStepHandoff
 from .single import NullController
-from .tensor_parallel import check_names, tp_group, tp_sharded
+from .tensor_parallel import as_param_grad, check_names, tp_group, tp_sharded
 
 
 def _controller(modules: list[nn.Module], **_) -> NullController:
@@ -26,10 +26,23 @@ def _controller(modules: list[nn.Module], **_) -> NullController:
     return controller
 
 
-def _handoff(modules: list[nn.Module]):
-    from ..one_backward.step import OneBackwardUnavailable
+class TensorParallelHandoff(WholeStepHandoff):
+    """Sets each parameter's clipped gradient, a tp shard as a DTensor; no collective."""
 
-    raise OneBackwardUnavailable("tensor parallelism: tp-sharded gradients are not handed over")
+    phase = "reduce_scatter"
+    """The hand-off's phase name (shared with the sharded APIs' timings)."""
+
+    def hand(self, grads: dict) -> None:
+        """Adds each parameter's clipped gradient (its tp shard, as a DTensor) to ``p.grad``."""
+        from ..one_backward.step import by_parameter
+
+        for p, g in by_parameter(grads).values():
+            g = as_param_grad(p, g.to(p.dtype))
+            p.grad = g if p.grad is None else p.grad + g
+
+
+def _handoff(modules: list[nn.Module]) -> TensorParallelHandoff:
+    return TensorParallelHandoff()
 
 
 def _sharded(inner, *, generator, secure_mode: bool, **kwargs):

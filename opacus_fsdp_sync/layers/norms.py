@@ -265,4 +265,6 @@ class RMSNormRoom(LayerRoom):
         """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""
         x = inputs[0]
         xhat = normalized(x, epsilon(layer))
-        return {"weight": (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)}
+        grad = (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)
+        # sequence parallelism: this rank's tokens only, summed over tp
+        return {"weight": sum_sequence_shards(grad, getattr(layer, "_tp_sequence_group", None))}
