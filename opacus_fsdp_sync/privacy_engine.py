@@ -22,6 +22,7 @@ from .distributed.layout import check_layout, check_parallelism, world_size
 from .distributed.registry import detect_api
 from .distributed.tensor_parallel import (
     TensorParallelLayout,
+    check_secure_mode,
     data_parallel_degree,
     data_parallel_rank,
     tensor_parallel_layout,
@@ -240,12 +241,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         missed = found.record.capabilities.distributed and not isinstance(
             module, _OPACUS_DISTRIBUTED
         )
-        return _CallPlan(
-            optimizer=factory,
-            ghost=True,
-            missed_distributed=missed,
-            tp=tensor_parallel_layout(_unwrap(module)),
-        )
+        tp = tensor_parallel_layout(_unwrap(module))
+        check_secure_mode(tp, self.secure_mode)
+        return _CallPlan(optimizer=factory, ghost=True, missed_distributed=missed, tp=tp)
 
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.

@@ -152,3 +152,14 @@ def test_sequence_parallel_layers_without_an_exact_norm_are_refused():
         assert "fewer tokens" in head, head
         norm = res["layernorm"]
         assert norm and "LayerNorm" in norm and "SequenceParallel" in norm, norm
+
+
+def test_cases_a_review_found():
+    for rank, res in enumerate(run_ranks(wt.review_cases, 2, timeout=600)):
+        frozen = res["frozen"]
+        assert frozen["diff"] < 1e-6 and frozen["divisor"] == 1 and frozen["api"] == "fsdp2"
+        assert "named 'tp'" in res["misnamed"], res["misnamed"]
+        assert "secure_mode" in res["secure"], res["secure"]
+        assert res["mlp_2d"] < 1e-6, res["mlp_2d"]
+        # rank 0's 400 unit norms as partial norms: sqrt(400) = 20 on both tp ranks
+        assert res["bf16_sum"] == [20.0, 20.0, 20.0], (rank, res["bf16_sum"])

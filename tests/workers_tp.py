@@ -313,3 +313,81 @@ def sp_refusals(rank: int, world: int) -> dict:
         else:
             out[case] = None
     return out
+
+
+def review_cases(rank: int, world: int) -> dict:
+    """Cases a review found, on 2 ranks (dp 1 x tp 2 under fully_shard, or TP alone).
+
+    ``frozen``: the tp-sharded layers frozen, only ``l3`` trained: the data-parallel degree
+    still comes from the mesh (shares, divisor), the step is the loop's; ``misnamed``: the tp
+    mesh dimension named ``"mp"``: refused; ``secure``: ``secure_mode`` under FSDP2 x TP:
+    refused; ``mlp_2d``: a (batch, features) model with a row-wise layer (its input is
+    ``Shard(1)`` but not a sequence): one step equals the loop's; ``bf16_sum``: 400 bf16 unit
+    norms summed over tp in fp32 (norm 20, not bf16's 16). Poisson sampling is off: one fixed
+    batch per case (the sampler under TP is checked by :func:`tensor_parallel`).
+    """
+    import copy
+
+    from opacus_fsdp_sync.distributed.tensor_parallel import tp_norm_sum
+    from opacus_fsdp_sync.testing import clip_each_sample_step
+    from tests.private import make_private
+
+    out = {}
+    x, y = dataset().tensors
+    xb, yb = x[:4], y[:4]
+
+    def step(model, engine=None, data=(xb, yb), c=CLIP["seq"], loss=sample_loss, ref=None):
+        gsm, opt, crit, _ = make_private(
+            engine or PrivacyEngine(), model, data, len(data[0]), c, "ghost_fsdp", lr=LR
+        )
+        crit(gsm(data[0]), data[1]).backward()
+        opt.step()
+        full = _full(model)
+        clip_each_sample_step(ref, loss, data[0], data[1], c, LR)
+        diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        return diff, opt.world_size, engine
+
+    # frozen tensor-parallel layers
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = base()
+    ref = copy.deepcopy(model)
+    for m in (model.l1, model.l2, ref.l1, ref.l2):
+        m.requires_grad_(False)
+    parallelize_module(model, mesh["tp"], {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    engine = PrivacyEngine()
+    diff, divisor, _ = step(model, engine, ref=ref)
+    out["frozen"] = {"diff": diff, "divisor": divisor, "api": engine.distributed_api}
+    # a tp dimension not named "tp"; secure_mode (a stand-in for torchcsprng, as the layout
+    # tests use, since the refusal comes before any secure draw)
+    from tests.workers_layouts import _stand_in_csprng
+
+    _stand_in_csprng()
+    for case, names in (("misnamed", ("dp", "mp")), ("secure", ("dp", "tp"))):
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=names)
+        model = base()
+        parallelize_module(model, mesh[names[1]], {"l1": ColwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        try:
+            step(model, PrivacyEngine(secure_mode=case == "secure"), ref=base())
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            out[case] = f"{type(err).__name__}: {err}"
+        else:
+            out[case] = None
+    # (batch, features) input through a row-wise layer, TP alone
+    from tests.workers_layouts import _base, _sample_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = _base()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+    g = torch.Generator().manual_seed(3)
+    data = (3 * torch.randn(4, 32, generator=g), torch.randint(0, 4, (4,), generator=g))
+    out["mlp_2d"] = step(model, data=data, c=1.0, loss=_sample_loss, ref=ref)[0]
+    # bf16 norms summed in fp32
+    p = next(p for p in build("tp_alone").parameters() if p.requires_grad)
+    ones = [torch.ones(3, dtype=torch.bfloat16) for _ in range(400)]
+    zero = [torch.zeros(3, dtype=torch.bfloat16)]
+    out["bf16_sum"] = tp_norm_sum(p)(ones if rank == 0 else zero, []).tolist()
+    return out

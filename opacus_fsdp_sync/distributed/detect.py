@@ -8,7 +8,7 @@ from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .tensor_parallel import tp_sharded
+from .tensor_parallel import on_tp_mesh
 from .version_gate import internals_error
 
 #: The API names :func:`get_fsdp_root_module` can report.
@@ -68,7 +68,7 @@ def _get_fsdp_root_module(module: object) -> DistributedRoot:
     fsdp1 = _outermost(model, FullyShardedDataParallel)
     if fsdp1:
         return DistributedRoot(fsdp1, FSDP1)
-    if any(p.requires_grad and tp_sharded(p) for p in model.parameters()):
+    if any(on_tp_mesh(p) for p in model.parameters()):
         return DistributedRoot([model], TP)
     return DistributedRoot([], None)
 

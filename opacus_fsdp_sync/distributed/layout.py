@@ -149,7 +149,8 @@ def check_parallelism(model: nn.Module, *, tensor_parallel: bool = False) -> Non
         )
     foreign = _tensor_parallel(model)
     if foreign and tensor_parallel and _under_fsdp2(model, foreign):
-        check_names(model)
+        names = {t.split(":")[0] for t in foreign}
+        check_names(model, [(n, p) for n, p in _trainable(model) if n in names])
         return
     if foreign:
         raise UnsupportedConfigurationError(

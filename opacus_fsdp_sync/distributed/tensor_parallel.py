@@ -62,6 +62,13 @@ def _tp_dims(param) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(names) if n in TP_DIM_NAMES)
 
 
+def on_tp_mesh(param) -> bool:
+    """Whether a parameter is a DTensor on a mesh with a tensor-parallel dimension."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor) and bool(_tp_dims(param))
+
+
 def tp_sharded(param) -> bool:
     """Whether a parameter is sharded over a tensor-parallel mesh dimension."""
     from torch.distributed.tensor import DTensor
@@ -69,20 +76,6 @@ def tp_sharded(param) -> bool:
     if not isinstance(param, DTensor):
         return False
     return any(not param.placements[i].is_replicate() for i in _tp_dims(param))
-
-
-def _unnamed_tp(model: nn.Module) -> list[str]:
-    """Trainable DTensor parameters on a mesh without names, sharded on several dims or not by FSDP.
-
-    Used to tell a user whose tensor-parallel mesh lacks the ``"tp"`` name what to do.
-    """
-    from torch.distributed.tensor import DTensor
-
-    return [
-        n
-        for n, p in model.named_parameters()
-        if p.requires_grad and isinstance(p, DTensor) and not p.device_mesh.mesh_dim_names
-    ]
 
 
 @dataclass
@@ -116,27 +109,32 @@ def tp_norm_sum(param):
 
     The returned function takes this rank's per-sample norms of tp-sharded parameter shards
     and those of parameters replicated over tp, and returns
-    ``sqrt(all_reduce_tp(sum sharded^2) + sum replicated^2)``: the whole-model per-sample norms,
-    the same on every tp rank. Collective over the tp group: every tp rank calls it once per
-    step.
+    ``sqrt(all_reduce_tp(sum sharded^2 + [tp rank 0] sum replicated^2))`` in fp32 (or wider):
+    the whole-model per-sample norms, bit-identical on every tp rank (the replicated terms come
+    from one rank, so ranks that computed them along other paths cannot disagree). Collective
+    over the tp group: every tp rank calls it once per step.
     """
     group = tp_group(param)
+    first = dist.get_rank(group) == 0
 
     def total(sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
         ref = (sharded or replicated)[0]
-        sq = torch.zeros(ref.shape, dtype=ref.dtype, device=ref.device)
+        # fp32 at least (bf16 norms summed one by one would lose the small terms)
+        dtype = torch.promote_types(ref.dtype, torch.float32)
+        sq = torch.zeros(ref.shape, dtype=dtype, device=ref.device)
         for ns in sharded:
-            sq = sq + ns.to(ref.device).pow(2)
+            sq = sq + ns.to(device=ref.device, dtype=dtype).pow(2)
+        if first:  # replicated terms once, from one tp rank: every rank gets the same sum
+            for ns in replicated:
+                sq = sq + ns.to(device=ref.device, dtype=dtype).pow(2)
         dist.all_reduce(sq, group=group)
-        for ns in replicated:
-            sq = sq + ns.to(ref.device).pow(2)
         return sq.sqrt()
 
     return total
 
 
 def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
-    """The model's tensor-parallel layout, or None when no trainable parameter is tp-sharded.
+    """The model's tensor-parallel layout, or None when no parameter is on a tp mesh dimension.
 
     Collective when tensor-parallel (the data-parallel index of each tp group is agreed on).
 
@@ -147,7 +145,10 @@ def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     sharded = [(n, p) for n, p in params if tp_sharded(p)]
-    if not sharded:
+    # the tp group from every parameter on a tp mesh: frozen tensor-parallel layers (only
+    # norms, a head or adapters trained) still set the data-parallel degree
+    on_tp = [(n, p) for n, p in model.named_parameters() if on_tp_mesh(p)]
+    if not on_tp:
         return None
     owners = {id(p): type(m) for m in model.modules() for p in m.parameters(recurse=False)}
     other = [n for n, p in sharded if not _is_linear(owners.get(id(p)))]
@@ -157,7 +158,7 @@ def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
             "per-sample norms of sharded Embedding or other layers are not implemented. Keep them "
             "out of parallelize_module's plan (they stay replicated over tp)."
         )
-    meshes = {id(p.device_mesh): p for _, p in sharded}
+    meshes = {id(p.device_mesh): p for _, p in on_tp}
     groups = set()
     for p in meshes.values():
         dims = _tp_dims(p)
@@ -200,18 +201,32 @@ def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
     return layout
 
 
-def check_names(model: nn.Module) -> None:
-    """Refuses a tensor-parallel model whose mesh dimensions carry no names.
+def check_names(model: nn.Module, foreign: list | None = None) -> None:
+    """Refuses tensor-parallel parameters on a mesh without a dimension named ``"tp"``.
+
+    Args:
+        model: The user's model.
+        foreign: ``(name, parameter)`` of the DTensor parameters that are not FSDP2's own (all
+            trainable DTensors when None).
 
     Raises:
         UnsupportedConfigurationError: naming the parameters and the fix.
     """
-    unnamed = _unnamed_tp(model)
+    from torch.distributed.tensor import DTensor
+
+    if foreign is None:
+        foreign = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if p.requires_grad and isinstance(p, DTensor)
+        ]
+    unnamed = [n for n, p in foreign if not _tp_dims(p)]
     if unnamed:
         raise UnsupportedConfigurationError(
-            f"DTensor parameters on a mesh without dimension names ({', '.join(unnamed[:4])}): "
-            "name the tensor-parallel dimension 'tp', e.g. init_device_mesh('cuda', (dp, tp), "
-            "mesh_dim_names=('dp', 'tp')) or ShardingConfig(tp_degree=...)."
+            f"DTensor parameters on a mesh without a dimension named 'tp' "
+            f"({', '.join(unnamed[:4])}): name the tensor-parallel dimension 'tp', e.g. "
+            "init_device_mesh('cuda', (dp, tp), mesh_dim_names=('dp', 'tp')) or "
+            "ShardingConfig(tp_degree=...)."
         )
 
 
@@ -292,7 +307,7 @@ def sequence_group(t):
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    if not isinstance(t, DTensor):
+    if not isinstance(t, DTensor) or t.dim() < 3:  # (batch, features): no sequence
         return None
     for i in _tp_dims(t):
         pl = t.placements[i]
@@ -344,10 +359,30 @@ def own_output_features(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
     if rows == weight.shape[0]:
         return grad
     mesh = weight.device_mesh
-    part = grad.chunk(mesh.size(dims[0]), dim=-1)[mesh.get_local_rank(dims[0])]
+    # DTensor's Shard splits as torch.chunk: ceil(n / k) rows per rank, the last ones fewer
+    step = -(-weight.shape[0] // mesh.size(dims[0]))
+    start = min(mesh.get_local_rank(dims[0]) * step, weight.shape[0])
+    part = grad.narrow(-1, start, min(rows, grad.shape[-1] - start))
     if part.shape[-1] != rows:
         raise UnsupportedConfigurationError(
             f"{type(module).__name__}: output gradient of {grad.shape[-1]} features does not "
             f"split into this rank's {rows} weight rows"
         )
     return part
+
+
+def check_secure_mode(layout: TensorParallelLayout | None, secure_mode: bool) -> None:
+    """Refuses ``secure_mode`` under tensor parallelism.
+
+    Opacus's secure optimizers draw from ``/dev/urandom`` on each rank: the parameters
+    replicated over tp would get different noise on each tp rank and the replicas drift apart.
+
+    Raises:
+        UnsupportedConfigurationError: with ``secure_mode`` and a tensor-parallel layout.
+    """
+    if layout is not None and secure_mode:
+        raise UnsupportedConfigurationError(
+            "secure_mode with tensor parallelism: each rank's secure noise would differ on "
+            "the parameters replicated over tp. Run without secure_mode, or without "
+            "parallelize_module."
+        )

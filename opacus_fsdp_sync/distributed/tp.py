@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import UnsupportedConfigurationError
 from .api import TP, ApiRecord, Capabilities, WholeStepHandoff
 from .single import NullController
-from .tensor_parallel import as_param_grad, check_names, tp_group, tp_sharded
+from .tensor_parallel import as_param_grad, check_names, on_tp_mesh, tp_group
 
 
 def _controller(modules: list[nn.Module], **_) -> NullController:
@@ -68,8 +68,8 @@ def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: st
 def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
     """Refuses unnamed tp meshes and tp groups smaller than the world (use fully_shard then)."""
     check_names(model)
-    sharded = [p for p in model.parameters() if p.requires_grad and tp_sharded(p)]
-    degree = dist.get_world_size(tp_group(sharded[0]))
+    on_tp = [p for p in model.parameters() if on_tp_mesh(p)]
+    degree = dist.get_world_size(tp_group(on_tp[0]))
     if degree != dist.get_world_size():
         raise UnsupportedConfigurationError(
             f"tensor parallelism over {degree} of {dist.get_world_size()} ranks without FSDP2: "

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed.api import FSDP1, FSDP2
+from ..distributed.api import FSDP1, FSDP2, TP
 from ..distributed.registry import record_for
 from .microbatch import GradLayout, resolve
 
@@ -170,7 +170,7 @@ def _fsdp2_replication(layout: GradLayout) -> dict[str, int]:
 
 
 #: How many ranks hold each local gradient shard, for the sharded APIs.
-_REPLICATION = {FSDP1: _fsdp1_replication, FSDP2: _fsdp2_replication}
+_REPLICATION = {FSDP1: _fsdp1_replication, FSDP2: _fsdp2_replication, TP: _fsdp2_replication}
 
 
 def _sharded(api: str | None) -> bool:

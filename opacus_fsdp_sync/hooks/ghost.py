@@ -200,6 +200,12 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         ):
             self._note_tokens(module, forward_input[0])
         if any(isinstance(t, DTensor) for t in forward_input):
+            if self._tp_group is None:  # DTensors without a tp layout: refuse, never guess
+                raise UnsupportedConfigurationError(
+                    f"{type(module).__name__} received a DTensor input but the model has no "
+                    "parameter on a mesh dimension named 'tp': name the tensor-parallel mesh "
+                    "dimension 'tp'."
+                )
             self._note_tp_input(module, forward_input)
             forward_input = tuple(local(t) for t in forward_input)
         if (
@@ -238,6 +244,15 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
             )
         return None
 
+    def _sequence_layer(self, module: nn.Module) -> bool:
+        """Whether dim 1 of the layer's input is the sequence: Linear and RMSNorm-like layers.
+
+        (A convolution's dim 1 is its channels: the token checks and gathers leave it alone.)
+        """
+        kind = self._get_type(module)
+        sampler = self.NORM_SAMPLERS.get(kind)
+        return issubclass(kind, nn.Linear) or getattr(sampler, "sums_sequence_shards", False)
+
     def _note_tokens(self, module: nn.Module, first) -> None:
         """Tensor parallelism: each layer's tokens this forward, and whether TP laid them out.
 
@@ -245,7 +260,7 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         as a plain tensor would report the norm of a partial gradient as its own:
         :meth:`check_sequence_layout` refuses it.
         """
-        if isinstance(first, torch.Tensor) and first.dim() > 2:
+        if isinstance(first, torch.Tensor) and first.dim() > 2 and self._sequence_layer(module):
             tokens = local(first).shape[1]
             self._tp_step_tokens[module] = (tokens, isinstance(first, DTensor))
             module._tp_tokens = tokens

@@ -21,7 +21,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
-from ..distributed.tensor_parallel import tp_group, tp_norm_sum, tp_sharded
+from ..distributed.tensor_parallel import on_tp_mesh, tp_group, tp_norm_sum, tp_sharded
 
 
 class NoNormsError(RuntimeError):
@@ -31,9 +31,16 @@ class NoNormsError(RuntimeError):
 class StepNormsMixin:
     """Per-sample norms of the current backward only (see the module docstring).
 
+    Under tensor parallelism it also sums the norms over the tp group (``_tp_sum``).
+
     Sits below the shared-weight mixin (whose ``get_norm_sample`` adds its cross terms to this
     one's result) and above Opacus's hooks class, whose ``get_norm_sample`` it replaces.
     """
+
+    #: Sums per-sample norms over tp (tensor parallelism), else None.
+    _tp_sum = None
+    #: The tp process group (tensor parallelism), else None.
+    _tp_group = None
 
     def _init_step_norms(self, hooked: list[nn.Module]) -> None:
         self._norms_per_module = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
@@ -46,8 +53,13 @@ class StepNormsMixin:
         self.reset_norms()
 
     def _init_tp_norms(self, hooked: list[nn.Module]) -> None:
-        """Which reported norms are partial (tp-sharded parameters) and the tp group's sum."""
-        sharded = [p for m in hooked for p in m.parameters(recurse=False) if tp_sharded(p)]
+        """Which reported norms are partial (tp-sharded parameters) and the tp group's sum.
+
+        The tp group comes from any parameter on a tp mesh, frozen ones included (a model
+        whose tensor-parallel layers are frozen still sums its norms over tp, which makes the
+        coefficients bit-identical on every tp rank).
+        """
+        on_tp = [p for p in self._module.parameters() if on_tp_mesh(p)]
         #: Per layer (FSDP) or parameter id (one device): whether each norm is a tp shard's.
         self._tp_partial: dict[int, list[bool]] = {}
         self._tp_sum = None
@@ -55,13 +67,13 @@ class StepNormsMixin:
         self._tp_group = None
         #: Tokens each layer saw in this forward, under tensor parallelism (see the hooks).
         self._tp_step_tokens: dict = {}
-        if not sharded:
+        if not on_tp:
             return
         for m in hooked:
             flags = [tp_sharded(p) for p in m.parameters(recurse=False) if p.requires_grad]
             self._tp_partial[id(m)] = flags
-        self._tp_sum = tp_norm_sum(sharded[0])
-        self._tp_group = tp_group(sharded[0])
+        self._tp_sum = tp_norm_sum(on_tp[0])
+        self._tp_group = tp_group(on_tp[0])
 
     def reset_norms(self) -> None:
         """Forgets every layer's per-sample norms (the start of a backward)."""

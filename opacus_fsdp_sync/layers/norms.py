@@ -258,8 +258,9 @@ class RMSNormRoom(LayerRoom):
     norm = staticmethod(rms_norm_sample)
 
     def per_sample_grad(self, layer, activations, backprops):
-        """:func:`per_sample_weight_grads`."""
-        return {"weight": per_sample_weight_grads(activations[0], backprops, epsilon(layer))}
+        """:func:`per_sample_weight_grads` (summed over sequence shards under tp)."""
+        g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
+        return {"weight": sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None))}
 
     def clipped_grad(self, layer, inputs, grad_out):
         """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""

@@ -85,7 +85,7 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         device = self.params[0].device if self.params else torch.device("cpu")
         self.streams = NoiseStreams(generator, device, list(self.params))
         #: The first stream (the only one without tensor parallelism; a checkpoint keeps all).
-        self.generator = self.streams.generators[0]
+        self.generator = self.streams.generators[0] if self.streams.generators else None
 
     def _draw_noise(self, layout: tuple[tuple, ...], std: float) -> list[torch.Tensor]:
         """Each parameter's noise from its key's stream (:class:`NoiseStreams`)."""

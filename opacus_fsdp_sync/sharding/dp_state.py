@@ -62,9 +62,16 @@ def _settings(engine, optimizer) -> dict:
         # world size is judged by what it is (the noise streams), not by this
         "expected_global_batch": None
         if optimizer.expected_batch_size is None
-        else round(optimizer.expected_batch_size * _rank_world()[1], 6),
+        # per data-parallel rank x data-parallel ranks (the world size but under tensor
+        # parallelism, where the optimizer's world size is the data-parallel degree)
+        else round(optimizer.expected_batch_size * _dp_ranks(optimizer), 6),
         "loss_reduction": optimizer.loss_reduction,
     }
+
+
+def _dp_ranks(optimizer) -> int:
+    """The ranks the optimizer's expected batch is per: its ``world_size``, else the world."""
+    return getattr(optimizer, "world_size", None) or _rank_world()[1]
 
 
 def _extra_streams(optimizer) -> list[torch.Generator]:
@@ -225,8 +232,15 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
         )
     elif state["noise_generator"] is not None:
         optimizer.generator.set_state(state["noise_generator"])
-        for gen, saved in zip(_extra_streams(optimizer), state.get("noise_streams", ())):
-            gen.set_state(saved)
+        streams, saved = _extra_streams(optimizer), state.get("noise_streams", [])
+        if len(streams) != len(saved):
+            raise CheckpointMismatchError(
+                f"the checkpoint holds {len(saved) + 1} noise stream(s), this optimizer has "
+                f"{len(streams) + 1}: resume on the same tensor-parallel layout, or pass "
+                "fresh_noise=True"
+            )
+        for gen, saved_state in zip(streams, saved):
+            gen.set_state(saved_state)
 
 
 def reseed_noise(engine, optimizer) -> None:
