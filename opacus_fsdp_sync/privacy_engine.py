@@ -437,6 +437,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 opts.one_backward_memory_budget,
                 device,
                 distributed=record.capabilities.distributed and world_size() > 1,
+                tp_group=self._plan.tp.group if self._plan.tp is not None else None,
             ),
         )
         hooks = step_hooks(module)

@@ -163,3 +163,9 @@ def test_cases_a_review_found():
         assert res["mlp_2d"] < 1e-6, res["mlp_2d"]
         # rank 0's 400 unit norms as partial norms: sqrt(400) = 20 on both tp ranks
         assert res["bf16_sum"] == [20.0, 20.0, 20.0], (rank, res["bf16_sum"])
+
+
+def test_tp_ranks_agree_on_the_memory_budget():
+    """The smallest budget of the tp group on every tp rank (the same layers kept, the same
+    paths to the tp-replicated layers' clipped gradients); no budget on CPU: no collective."""
+    assert run_ranks(wt.agreed_budget, 2, timeout=120) == [[1000, None], [1000, None]]

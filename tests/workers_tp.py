@@ -391,3 +391,14 @@ def review_cases(rank: int, world: int) -> dict:
     zero = [torch.zeros(3, dtype=torch.bfloat16)]
     out["bf16_sum"] = tp_norm_sum(p)(ones if rank == 0 else zero, []).tolist()
     return out
+
+
+def agreed_budget(rank: int, world: int) -> list:
+    """The one-backward memory budget the tp ranks agree on, from per-rank options."""
+    from opacus_fsdp_sync.one_backward.memory import MemoryBudget
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    budget = MemoryBudget(
+        1000 * (rank + 1), torch.device("cpu"), distributed=True, tp_group=mesh.get_group(0)
+    )
+    return [budget.budget(), MemoryBudget(None, torch.device("cpu"), distributed=True).budget()]

@@ -157,19 +157,39 @@ class MemoryBudget:
         option: The option's value (None: :func:`~..options.auto_memory_budget`).
         device: The model's device.
         distributed: Ranks must agree on the two-pass step (a distributed API, world > 1).
+        tp_group: Tensor parallelism's group, whose ranks must also agree on the budget (the
+            smallest): they keep the same layers, so that the layers replicated over tp get
+            their clipped gradients along the same path, bit for bit.
     """
 
-    def __init__(self, option: int | None, device: torch.device, *, distributed: bool) -> None:
+    def __init__(
+        self,
+        option: int | None,
+        device: torch.device,
+        *,
+        distributed: bool,
+        tp_group=None,
+    ) -> None:
         self.option = option
         self.device = device
         self.distributed = distributed
+        self.tp_group = tp_group
         #: The last step's plan (None without a budget).
         self.last: MemoryPlan | None = None
         self._logged: set[str] = set()
 
     def budget(self) -> int | None:
-        """The budget now: the option, else the automatic one (None: no limit)."""
-        return self.option if self.option is not None else auto_memory_budget(self.device)
+        """The budget now: the option, else the automatic one (None: no limit).
+
+        Under tensor parallelism the smallest of the tp group's (collective over the tp group
+        when a budget is in force).
+        """
+        budget = self.option if self.option is not None else auto_memory_budget(self.device)
+        if budget is None or self.tp_group is None:
+            return budget
+        agreed = torch.tensor([budget], dtype=torch.int64, device=_comm_device(self.device))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp_group)
+        return int(agreed.item())
 
     def plan(self, hooks: StepHooks) -> MemoryPlan | None:
         """This step's plan, agreed across ranks; logged once per outcome other than fitting.
