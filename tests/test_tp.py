@@ -169,3 +169,9 @@ def test_tp_ranks_agree_on_the_memory_budget():
     """The smallest budget of the tp group on every tp rank (the same layers kept, the same
     paths to the tp-replicated layers' clipped gradients); no budget on CPU: no collective."""
     assert run_ranks(wt.agreed_budget, 2, timeout=120) == [[1000, None], [1000, None]]
+
+
+def test_a_context_parallel_mesh_is_refused():
+    for message in run_ranks(wt.context_parallel_mesh, 2, timeout=120):
+        assert message and "context parallelism is not supported" in message, message
+        assert "'dp_shard_cp'" in message and "l1.weight" in message, message

@@ -402,3 +402,18 @@ def agreed_budget(rank: int, world: int) -> list:
         1000 * (rank + 1), torch.device("cpu"), distributed=True, tp_group=mesh.get_group(0)
     )
     return [budget.budget(), MemoryBudget(None, torch.device("cpu"), distributed=True).budget()]
+
+
+def context_parallel_mesh(rank: int, world: int) -> str | None:
+    """``fully_shard`` over torchtitan's ``dp_shard_cp`` dimension: the refusal message."""
+    from tests.private import make_private
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    model = base()
+    fully_shard(model, mesh=mesh)
+    x, y = dataset().tensors
+    try:
+        make_private(PrivacyEngine(), model, (x[:4], y[:4]), 4, 1.0, "ghost_fsdp")
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return None

@@ -92,6 +92,35 @@ def _tensor_parallel(model: nn.Module) -> list[str]:
     ]
 
 
+def check_context_parallel(model: nn.Module) -> None:
+    """Refuses parameters on a mesh with a context-parallel dimension (a name with a ``cp`` part).
+
+    Under context parallelism every rank holds a part of each sequence, and each would clip its
+    part of a sample's gradient on its own (docs/context_parallel.md). Detected by the mesh
+    dimension names FSDP2 shards over (torchtitan's ``dp_shard_cp``, ``cp``); context
+    parallelism on a mesh the parameters do not live on is not visible here.
+
+    Raises:
+        UnsupportedConfigurationError: naming the parameters and mesh dimensions.
+    """
+    from torch.distributed.tensor import DTensor
+
+    found = [
+        (n, name)
+        for n, p in _trainable(model)
+        if isinstance(p, DTensor)
+        for name in p.device_mesh.mesh_dim_names or ()
+        if "cp" in name.split("_")
+    ]
+    if found:
+        raise UnsupportedConfigurationError(
+            "context parallelism is not supported: "
+            f"{listing([f'{n} (mesh dimension {d!r})' for n, d in found])}. Each rank would clip "
+            "its part of a sample's gradient alone, and the noise would not match the clipping. "
+            "Shard over the data-parallel dimensions only (design: docs/context_parallel.md)."
+        )
+
+
 def _under_fsdp2(model: nn.Module, foreign: list[str]) -> bool:
     """Whether every tensor-parallel parameter sits in a ``fully_shard`` unit, or none exists.
 
@@ -132,6 +161,7 @@ def check_parallelism(model: nn.Module, *, tensor_parallel: bool = False) -> Non
         UnsupportedConfigurationError: naming the replicated modules, or the parameters with
             their placements and mesh dimensions, and what to use instead.
     """
+    check_context_parallel(model)
     replicated = ddp_replicated_modules(model)
     if replicated:
         where = (
