@@ -33,7 +33,7 @@ meshes, process groups).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -89,14 +89,12 @@ class TensorParallelLayout:
         degree: Ranks in the tp group.
         dp_degree: Data-parallel ranks (world size over ``degree``).
         dp_rank: This rank's data-parallel index (the same on every rank of its tp group).
-        sharded: ``id`` of every trainable parameter sharded over tp.
     """
 
     group: object
     degree: int
     dp_degree: int
     dp_rank: int
-    sharded: frozenset[int] = field(default_factory=frozenset)
 
 
 def tp_group(param):
@@ -189,7 +187,6 @@ def tensor_parallel_layout(model: nn.Module) -> TensorParallelLayout | None:
         degree=degree,
         dp_degree=world // degree,
         dp_rank=order.index(leader),
-        sharded=frozenset(id(p) for _, p in sharded),
     )
     logger.info(
         "[Ghost] tensor parallelism: tp degree %d, data-parallel degree %d; %d tp-sharded "

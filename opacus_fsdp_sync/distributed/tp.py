@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UnsupportedConfigurationError
-from .api import TP, ApiRecord, Capabilities, WholeStepHandoff
-from .single import NullController
-from .tensor_parallel import as_param_grad, check_names, on_tp_mesh, tp_group
+from .api import TP, ApiRecord, Capabilities
+from .single import NullController, SingleDeviceHandoff
+from .tensor_parallel import check_names, on_tp_mesh, tp_group
 
 
 def _controller(modules: list[nn.Module], **_) -> NullController:
@@ -26,23 +26,9 @@ def _controller(modules: list[nn.Module], **_) -> NullController:
     return controller
 
 
-class TensorParallelHandoff(WholeStepHandoff):
-    """Sets each parameter's clipped gradient, a tp shard as a DTensor; no collective."""
-
-    phase = "reduce_scatter"
-    """The hand-off's phase name (shared with the sharded APIs' timings)."""
-
-    def hand(self, grads: dict) -> None:
-        """Adds each parameter's clipped gradient (its tp shard, as a DTensor) to ``p.grad``."""
-        from ..one_backward.step import by_parameter
-
-        for p, g in by_parameter(grads).values():
-            g = as_param_grad(p, g.to(p.dtype))
-            p.grad = g if p.grad is None else p.grad + g
-
-
-def _handoff(modules: list[nn.Module]) -> TensorParallelHandoff:
-    return TensorParallelHandoff()
+def _handoff(modules: list[nn.Module]) -> SingleDeviceHandoff:
+    """The single-device hand-off: ``p.grad``, each tp shard as a DTensor, no collective."""
+    return SingleDeviceHandoff()
 
 
 def _sharded(inner, *, generator, secure_mode: bool, **kwargs):

@@ -88,9 +88,14 @@ def by_parameter(grads: dict) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
 
 
 def hand_to_single_device(grads: dict) -> None:
-    """Sets ``p.grad`` (adding to what is there, as autograd would)."""
+    """Sets ``p.grad`` (adding to what is there, as autograd would).
+
+    A tensor-parallel parameter (TP alone) takes its shard as a DTensor of its placements.
+    """
+    from ..distributed.tensor_parallel import as_param_grad
+
     for p, g in by_parameter(grads).values():
-        g = g.to(p.dtype)
+        g = as_param_grad(p, g.to(p.dtype))
         p.grad = g if p.grad is None else p.grad + g
 
 
