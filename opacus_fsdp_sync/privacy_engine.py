@@ -264,7 +264,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         of ranks: every rank the same logical and physical steps, the global batch a
         single-process Poisson sample, every draw handed out once and counted by the
         accountant as it is. Other modes get Opacus's Poisson loader, its generator from
-        :attr:`randomness` (Opacus would draw from torch's global generator). The log says which.
+        :attr:`randomness` (Opacus would draw from torch's global generator): on several ranks
+        one stream per rank (:meth:`.DPRandomness.rank_generator`), since each rank draws its
+        own records' mask and a shared stream would draw the same positions on every rank.
+        The log says which.
         """
         distributed = distributed or self._plan.missed_distributed
         if poisson_sampling and self._plan.ghost:
@@ -288,8 +291,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return DPDataLoader.from_data_loader(
                 data_loader,
-                generator=self.randomness.generator(
-                    "sampler", torch.device("cpu"), distributed=distributed
+                generator=self.randomness.rank_generator(
+                    "sampler", torch.device("cpu"), rank=_rank() if distributed else 0
                 ),
                 distributed=distributed,
                 batch_first=batch_first,

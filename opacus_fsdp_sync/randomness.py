@@ -136,6 +136,19 @@ class DPRandomness:
         seed = self.shared_seed(purpose, distributed=distributed, device=device)
         return torch.Generator(device=device).manual_seed(seed)
 
+    def rank_generator(self, purpose: str, device: torch.device, *, rank: int) -> torch.Generator:
+        """A generator on ``device`` for this rank alone: independent of every other rank's.
+
+        For draws that each rank makes by itself over its own records (Opacus's distributed
+        Poisson sampler draws each rank's mask from its own generator): a stream shared by the
+        ranks would include records at equal positions of their index lists together, which
+        is not Poisson sampling. The seed is :meth:`local_seed` (OS entropy, or derived from
+        ``dp_seed``) mixed with ``rank``, so with ``dp_seed`` every rank still draws a stream of
+        its own. Issues no collective.
+        """
+        seed = splitmix64(self.local_seed(purpose), _purpose_code(f"rank:{purpose}", rank))
+        return torch.Generator(device=device).manual_seed(seed)
+
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct coordinates give distinct seeds
 

@@ -155,3 +155,36 @@ def test_a_checkpoint_of_another_layout_is_refused(tmp_path, saved, loaded, name
 def test_a_one_device_model_on_one_rank_of_a_group_issues_no_collective():
     res = run_ranks(wr.one_device_on_rank0, 2, timeout=120)[0]
     assert res == {"world": 1, "sizes_match": True, "steps": 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_draws_its_own_poisson_mask_in_every_mode(world):
+    """Each rank's share of a Poisson draw is independent of the others' (DDP, ``hooks``,
+    ``ew`` and ``ghost``, with and without ``dp_seed``).
+
+    Opacus's distributed sampler gives rank r the records ``perm[r::world]`` and draws a mask
+    over them from the rank's generator; one stream shared by the ranks includes the records at
+    equal positions together (``perm[k * world + r]`` for every r), and the global batch size
+    then varies ``world`` times too much. Both are checked on the union of the ranks' shares,
+    for every mode alike: each fixed pair of records is drawn together with probability q^2,
+    and the global batch size is Binomial(N, q).
+    """
+    n, batch, draws = 400, 40, 300
+    q = batch / n
+    ranks = run_ranks(wr.rank_masks, world, n, batch, draws, timeout=300)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))  # Opacus's split
+    groups = perm[: n - n % world].view(-1, world)  # the records at one position on each rank
+    for key in ranks[0]:
+        picked = torch.zeros(draws, n, dtype=torch.bool)
+        for res in ranks:
+            for t, share in enumerate(res[key]):
+                picked[t, share] = True
+        sizes = picked.sum(1).double()
+        expected = draws * len(groups) * q * q  # 600 on 2 ranks; a shared stream gives 10x
+        for r in range(world - 1):  # ranks r and r + 1
+            together = (picked[:, groups[:, r]] & picked[:, groups[:, r + 1]]).sum().item()
+            assert together < 1.5 * expected, (key, r, together, expected)
+        ratio = sizes.var().item() / (n * q * (1 - q))  # 1 for Poisson, `world` when shared
+        assert 0.7 < ratio < 1.35, (key, ratio)
+        assert abs(sizes.mean().item() - n * q) < 4 * (n * q * (1 - q) / draws) ** 0.5, key
