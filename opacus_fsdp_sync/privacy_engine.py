@@ -40,7 +40,8 @@ from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
-from .sampling.accounting import account_draws, count_steps
+from .sampling.accounting import account_draws, count_steps, track_progress
+from .sampling.ledger import DrawLedger, LedgerPosition
 from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -139,6 +140,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.last_options: GhostOptions = self.options.effective
         #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
         self.sampler: SharedPoissonSampler | None = None
+        #: How far this line of runs went (:mod:`.sampling.ledger`): started by the first
+        #: checkpoint saved with this engine, or adopted from the checkpoint it resumed.
+        self.draw_ledger: DrawLedger | None = None
 
     @property
     def sync_optimization(self) -> bool:
@@ -198,7 +202,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
+        track_progress(made[1], self.sampler, self.record_progress)
         return made
+
+    def record_progress(self) -> None:
+        """Writes how far this run went to :attr:`draw_ledger` (no-op without a ledger)."""
+        if self.draw_ledger is not None:
+            self.draw_ledger.record(LedgerPosition.of(self.accountant, self.sampler))
 
     def _step_taken(self) -> None:
         self.optimizer_steps += 1

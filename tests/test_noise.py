@@ -121,3 +121,14 @@ def test_prefetched_views_are_recorded_once_per_flat_buffer():
     assert firsts[0] is views[0] and firsts[1] is views[2]
     separate = [torch.zeros(2), torch.zeros(2)]
     assert len(one_per_storage(separate)) == 2
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_no_thread_of_ours_outlives_the_run(backend):
+    """The noise drawn during the backward runs in a short-lived thread: none is alive after the
+    last step, after a backward whose draw no step took (it ends with its draw), and after the
+    optimizer is dropped; so nothing of ours holds the process at exit."""
+    for res in run_ranks(workers_noise.threads_after_run, 2, backend, timeout=300):
+        assert res["pending"], res  # the path under test: a draw was running in a thread
+        assert res["after_steps"] == [] and res["after_pending"] == [], res
+        assert res["after_drop"] == [], res

@@ -188,3 +188,39 @@ def test_every_rank_draws_its_own_poisson_mask_in_every_mode(world):
         ratio = sizes.var().item() / (n * q * (1 - q))  # 1 for Poisson, `world` when shared
         assert 0.7 < ratio < 1.35, (key, ratio)
         assert abs(sizes.mean().item() - n * q) < 4 * (n * q * (1 - q) / draws) ** 0.5, key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout,world", [("single", 1), ("ddp_root", 2), ("fsdp2_root", 2)])
+def test_a_fresh_noise_resume_counts_every_released_step_and_draws_new_batches(
+    tmp_path, layout, world
+):
+    """Run A saves at step 2 and takes steps 3-4 (their outputs may have been seen); run B
+    resumes the checkpoint with ``fresh_noise=True``. B must not draw A's batches 3-4 again,
+    and its accountant must count A's steps 3-4 as well as its own: 6 steps, not 4.
+    How far A went comes from the draw ledger beside the checkpoint; without it the resume is
+    refused unless the user states the count."""
+    from opacus.accountants import PRVAccountant
+
+    path = str(tmp_path / "ckpt")
+    a = run_ranks(wr.released_resume, world, layout, "a", path, timeout=300)[0]
+    (ledger,) = tmp_path.glob("dp_draws_*.json")  # started by the checkpoint, beside it
+    b = run_ranks(wr.released_resume, world, layout, "b", path, timeout=300)[0]
+    assert [i for i, _ in a["taken"]] == [0, 1, 2, 3]
+    assert [i for i, _ in b["taken"]] == [4, 5]  # new draws, not A's 2 and 3 again
+    released = {tuple(d) for _, d in a["taken"]}
+    assert all(tuple(d) not in released for _, d in b["taken"])
+    assert b["steps"] == 6
+    reference = PRVAccountant()
+    for _ in range(6):
+        reference.step(noise_multiplier=1.0, sample_rate=wr.BATCH / wr.N)
+    assert b["epsilon"] == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+
+    ledger.unlink()  # where nothing says how far A went, fresh_noise is refused...
+    refused = run_ranks(wr.released_resume, world, layout, "b", path, timeout=300)[0]
+    assert "CheckpointMismatchError" in refused["error"]
+    assert "steps_after_checkpoint=K" in refused["error"], refused["error"]
+    stated = run_ranks(  # ...unless the user states it
+        wr.released_resume, world, layout, "b", path, 2, timeout=300
+    )[0]
+    assert [i for i, _ in stated["taken"]] == [4, 5] and stated["steps"] == 6

@@ -363,3 +363,44 @@ def stale_layout_recovers(rank: int, world: int) -> list[list[str]]:
     finally:
         noise_prefetch.draw_flat_noise = orig
     return per_step
+
+
+def threads_after_run(rank: int, world: int, backend: str = "fsdp2") -> dict:
+    """Names of the threads alive besides this process's own, at three points: after the last
+    step of a run; after a backward whose noise draw started but no step took it (a run that
+    stops on an error); and after the optimizer and model are dropped."""
+    import gc
+    import threading
+    import time
+
+    before = {t.ident for t in threading.enumerate()}
+
+    def ours() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.ident not in before)
+
+    def settled(deadline: float = 10.0) -> list[str]:
+        end = time.monotonic() + deadline
+        while ours() and time.monotonic() < end:
+            time.sleep(0.05)
+        return ours()
+
+    base, x, y = _wide_data(world, 3)
+    model, gsm, opt, crit = _private(base, x, y, world, backend=backend, seed=7)
+    lo = rank * B_LOCAL
+    for s in range(2):
+        off = s * B_LOCAL * world
+        crit(gsm(x[off + lo : off + lo + B_LOCAL]), y[off + lo : off + lo + B_LOCAL]).backward()
+        opt.step()
+        opt.zero_grad()
+    after_steps = ours()  # immediately: the step joined its draw
+    crit(gsm(x[lo : lo + B_LOCAL]), y[lo : lo + B_LOCAL]).backward()  # draws ahead, no step
+    pending = getattr(opt, "_prefetched", None) is not None
+    after_pending = settled()
+    del model, gsm, opt, crit
+    gc.collect()
+    return {
+        "after_steps": after_steps,
+        "pending": pending,
+        "after_pending": after_pending,
+        "after_drop": settled(),
+    }

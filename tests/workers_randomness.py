@@ -168,3 +168,47 @@ def rank_masks(rank: int, world: int, n: int, batch: int, draws: int) -> dict:
                         break
             out[(mode, dp_seed)] = shares
     return out
+
+
+def released_resume(
+    rank: int, world: int, layout: str, phase: str, path: str, steps_after: int | None = None
+) -> dict:
+    """``a``: two steps, a checkpoint, two more steps (their outputs seen); ``b``: a resume from
+    the checkpoint with ``fresh_noise=True`` (``steps_after``: the count the user states) that
+    takes two steps.
+
+    Returns each step's draw index and global draw, the accountant's steps, or the refusal.
+    ``dp_seed`` (the same in both runs) makes a draw index name the same batch in both.
+    """
+    from opacus_fsdp_sync.sharding import load_checkpoint, save_checkpoint
+
+    engine, model, gsm, opt, crit, loader = _private(layout, world, dp_seed=3, noise=1.0)
+    batches = iter(loader)
+
+    def step() -> tuple[int, list[int]]:
+        xb, yb = next(batches)
+        crit(gsm(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        index = engine.sampler.handed_out - 1
+        return index, engine.sampler.global_draw(index).tolist()
+
+    taken = []
+    if phase == "a":
+        taken += [step(), step()]
+        save_checkpoint(path, gsm, opt, engine=engine)
+        taken += [step(), step()]
+    else:
+        try:
+            load_checkpoint(
+                path, gsm, opt, engine=engine, fresh_noise=True, steps_after_checkpoint=steps_after
+            )
+        except Exception as err:  # noqa: BLE001 - the parent judges the message
+            return {"error": f"{type(err).__name__}: {err}"}
+        taken += [step(), step()]
+    return {
+        "taken": taken,
+        "steps": sum(entry[-1] for entry in engine.accountant.history),
+        "epsilon": engine.get_epsilon(1e-5),
+        "error": None,
+    }

@@ -52,3 +52,28 @@ def count_steps(optimizer, on_step) -> None:
         on_step()
 
     optimizer.step_hook = step_hook
+
+
+def track_progress(optimizer, sampler: SharedPoissonSampler | None, record) -> None:
+    """Calls ``record`` after every optimizer step and every draw ``sampler`` hands out.
+
+    Chained after the hooks already attached (the accountant's), so that ``record`` sees the
+    count that includes this draw or step (the engine's draw ledger, :mod:`.ledger`).
+    """
+    step_hook = optimizer.step_hook
+
+    def on_step(opt) -> None:
+        if step_hook is not None:
+            step_hook(opt)
+        record()
+
+    optimizer.step_hook = on_step
+    if sampler is not None:
+        counted = sampler.on_draw
+
+        def on_draw(count: int) -> None:
+            if counted is not None:
+                counted(count)
+            record()
+
+        sampler.on_draw = on_draw

@@ -55,6 +55,7 @@ def save_checkpoint(
         if optimizer is None:
             raise ValueError("save_checkpoint(engine=...) needs the DP optimizer too")
         os.makedirs(path, exist_ok=True)
+        state_module.start_ledger(engine, path)
         dp = state_module.dp_state(engine, optimizer)
         torch.save(dp, state_module.dp_state_path(path, dp["rank"]))
 
@@ -66,6 +67,7 @@ def load_checkpoint(
     *,
     engine=None,
     fresh_noise: bool = False,
+    steps_after_checkpoint: int | None = None,
 ):
     """Loads what :func:`save_checkpoint` wrote, on any world size; every rank calls it.
 
@@ -78,10 +80,16 @@ def load_checkpoint(
         fresh_noise: Restore accountant and sampler and restart every noise generator from OS
             entropy: on another layout (world size, API, mesh, placements) instead of refusing,
             or on the saved one when outputs computed after the checkpoint may have been seen
-            (see :mod:`.dp_state`).
+            (see :mod:`.dp_state`). Every step the earlier run took after this checkpoint is
+            counted and new batches are drawn for the steps taken again: how far it went comes
+            from the draw ledger beside the checkpoint (``dp_draws_*.json``), or from
+            ``steps_after_checkpoint``.
+        steps_after_checkpoint: The steps the run that saved this checkpoint took after it,
+            for a ``fresh_noise`` resume whose ledger is lost (an over-count is safe).
 
     Raises:
-        CheckpointMismatchError: the DP state is missing or belongs to another configuration.
+        CheckpointMismatchError: the DP state is missing or belongs to another configuration,
+            or ``fresh_noise`` cannot know how far the earlier run went.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -93,8 +101,12 @@ def load_checkpoint(
 
     module, optim = _targets(model, optimizer)
     dp = None if engine is None else _read_dp_state(path, optimizer)
+    resume_at = None
     if dp is not None:  # refused before anything is loaded
         state_module.check_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
+        resume_at = state_module.resume_position(
+            dp, path, fresh_noise=fresh_noise, steps_after_checkpoint=steps_after_checkpoint
+        )
     if optim is None:
         state = {"model": get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=path)
@@ -105,7 +117,14 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=path)
     set_state_dict(module, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if dp is not None:
-        state_module.restore_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
+        state_module.restore_dp_state(
+            dp,
+            engine,
+            optimizer,
+            fresh_noise=fresh_noise,
+            resume_at=resume_at,
+            ledger=state_module.ledger_file(dp, path),
+        )
 
 
 def _read_dp_state(path: str, optimizer) -> dict:

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..optimizers.ops import optimizer_ops
+from ..randomness import broadcast_seed, os_seed
+from ..sampling.ledger import DrawLedger, LedgerPosition, ledger_name, read_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +152,8 @@ def dp_state(engine, optimizer) -> dict:
         # the further noise streams (tensor parallelism: one for the tp-sharded coordinates)
         "noise_streams": [g.get_state() for g in _extra_streams(optimizer)],
         "layout": noise_layout(engine, optimizer),
+        # the line's draw ledger (how far any run resumed from these checkpoints went)
+        "ledger": None if engine.draw_ledger is None else engine.draw_ledger.path,
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
@@ -197,7 +201,15 @@ def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False)
             )
 
 
-def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False) -> None:
+def restore_dp_state(
+    state: dict,
+    engine,
+    optimizer,
+    *,
+    fresh_noise: bool = False,
+    resume_at: LedgerPosition | None = None,
+    ledger: str | None = None,
+) -> None:
     """Restores :func:`dp_state`'s output on this rank.
 
     Args:
@@ -207,6 +219,11 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
         fresh_noise: Keep the accountant and sampler and restart every noise generator from OS
             entropy (on any layout; on the saved one too, for a resume whose earlier outputs
             may have been seen). Collective: every rank must pass the same value.
+        resume_at: With ``fresh_noise``, the line's furthest position
+            (:func:`resume_position`): the accountant counts every step up to it and the
+            sampler draws on from it.
+        ledger: The draw ledger's file, adopted by ``engine`` so that this run's draws and
+            steps extend the line's (None: the one the state names, if any).
 
     Raises:
         CheckpointMismatchError: for a checkpoint of another configuration (names the setting),
@@ -217,6 +234,11 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
     engine.accountant.load_state_dict(state["accountant"])
     if engine.sampler is not None:
         engine.sampler.load_state_dict(state["sampler"])
+    if resume_at is not None:
+        _move_to(engine, resume_at, state)
+    ledger = ledger or state.get("ledger")
+    if ledger is not None:
+        engine.draw_ledger = DrawLedger(ledger, write=_rank_world()[0] == 0)
     same_layout = _layout_difference(state["layout"], noise_layout(engine, optimizer)) is None
     if same_layout:
         # torch's generators carry no DP noise (the engine never draws from them), but dropout
@@ -241,6 +263,127 @@ def restore_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = Fals
             )
         for gen, saved_state in zip(streams, saved):
             gen.set_state(saved_state)
+
+
+def _move_to(engine, position: LedgerPosition, state: dict) -> None:
+    """Counts the steps from the checkpoint to ``position`` and draws on from there."""
+    history = _history(state["accountant"])
+    extra = position.steps - sum(entry[-1] for entry in history)
+    engine.accountant.history = [tuple(entry) for entry in position.history]
+    if engine.sampler is not None and position.handed_out is not None:
+        engine.sampler.completed = max(engine.sampler.handed_out, position.handed_out)
+    if extra:
+        logger.warning(
+            "[Ghost] fresh_noise=True: the run that saved this checkpoint went %d step(s) "
+            "further; the accountant counts them and the sampler draws new batches from draw %s",
+            extra,
+            None if engine.sampler is None else engine.sampler.handed_out,
+        )
+
+
+def start_ledger(engine, checkpoint: str) -> None:
+    """Starts ``engine``'s draw ledger beside directory ``checkpoint`` unless it has one.
+
+    Collective (the ledger's id is rank 0's): every rank must call it.
+    """
+    if engine.draw_ledger is None:
+        rank, _ = _rank_world()
+        lineage = f"{broadcast_seed(os_seed()):016x}"
+        folder = os.path.dirname(os.path.abspath(checkpoint))
+        engine.draw_ledger = DrawLedger(os.path.join(folder, ledger_name(lineage)), write=rank == 0)
+    engine.record_progress()
+
+
+def ledger_file(state: dict, checkpoint: str) -> str | None:
+    """The saved ledger's file: beside the checkpoint, else where it was (None: no ledger)."""
+    saved = state.get("ledger")
+    if saved is None:
+        return None
+    beside = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), os.path.basename(saved))
+    return beside if os.path.exists(beside) or not os.path.exists(saved) else saved
+
+
+def resume_position(
+    state: dict, checkpoint: str, *, fresh_noise: bool, steps_after_checkpoint: int | None
+) -> LedgerPosition | None:
+    """Where a ``fresh_noise`` resume starts: the furthest position of the checkpoint's line.
+
+    A resume with fresh noise is for a run whose outputs after the checkpoint may have been
+    seen: it must count every step taken after the checkpoint and draw new batches for the
+    steps it takes again. The furthest position comes from the draw ledger beside the
+    checkpoint (:mod:`..sampling.ledger`), or from ``steps_after_checkpoint`` (the user's count
+    of the steps the earlier run took after saving it), whichever is further. Collective: rank
+    0 reads the ledger and every rank gets its answer.
+
+    Returns:
+        None without ``fresh_noise`` (the saved position continues); else the position to
+        resume at.
+
+    Raises:
+        CheckpointMismatchError: with ``fresh_noise`` when neither the ledger nor
+            ``steps_after_checkpoint`` says how far the earlier run went.
+        ValueError: for a negative ``steps_after_checkpoint``.
+    """
+    if steps_after_checkpoint is not None and steps_after_checkpoint < 0:
+        raise ValueError(f"steps_after_checkpoint must be >= 0, got {steps_after_checkpoint}")
+    if not fresh_noise:
+        return None
+    rank, world = _rank_world()
+    found = None
+    if rank == 0:
+        path = ledger_file(state, checkpoint)
+        found = None if path is None else read_ledger(path)
+    if world > 1:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    saved = _saved_position(state)
+    candidates = [p for p in (found, saved) if p is not None and p.steps >= saved.steps]
+    if steps_after_checkpoint is not None:
+        candidates.append(_advanced(saved, steps_after_checkpoint, state))
+    if found is None and steps_after_checkpoint is None:
+        raise CheckpointMismatchError(
+            "fresh_noise=True resumes a run whose outputs after the checkpoint may have been "
+            "seen, so it must count every step taken after the checkpoint and draw new batches "
+            "for them; but no draw ledger lies beside this checkpoint to say how far that run "
+            f"went (looked for {state.get('ledger') or 'a ledger named in the DP state'}). "
+            "Pass steps_after_checkpoint=K (the steps the earlier run took after saving it; "
+            "an over-count is safe), or put the run's dp_draws_*.json back beside the "
+            "checkpoint directory."
+        )
+    return max(candidates, key=lambda p: (p.steps, p.handed_out or 0))
+
+
+def _saved_position(state: dict) -> LedgerPosition:
+    sampler = state["sampler"]
+    return LedgerPosition(
+        handed_out=None if sampler is None else int(sampler["handed_out"]),
+        history=[list(entry) for entry in _history(state["accountant"])],
+    )
+
+
+def _history(accountant_state: dict) -> list:
+    return list(accountant_state.get("history", []))
+
+
+def _advanced(saved: LedgerPosition, steps: int, state: dict) -> LedgerPosition:
+    """``saved`` moved on by ``steps`` draws and private steps (the last noise and rate)."""
+    if steps == 0:
+        return saved
+    if saved.history:
+        noise, rate = saved.history[-1][0], saved.history[-1][1]
+    elif state["sampler"] is not None:
+        noise = state["settings"]["noise_multiplier"]
+        rate = state["sampler"]["sample_rate"]
+    else:
+        raise CheckpointMismatchError(
+            "steps_after_checkpoint needs the sample rate, which a checkpoint saved before the "
+            "first step of Opacus's own loader does not hold: resume without fresh_noise, or "
+            "from a later checkpoint."
+        )
+    history = [list(entry) for entry in saved.history] + [[noise, rate, steps]]
+    handed_out = None if saved.handed_out is None else saved.handed_out + steps
+    return LedgerPosition(handed_out=handed_out, history=history)
 
 
 def reseed_noise(engine, optimizer) -> None:
