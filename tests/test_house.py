@@ -136,3 +136,29 @@ def test_the_switch_counter_sees_a_switch():
 
     tree = ast.parse('if api == "fsdp2" or root.api in (FSDP1, None): pass')
     assert sum(house._is_api_switch(n) for n in ast.walk(tree)) == 2
+
+
+def test_the_module_map_is_generated_from_the_tree():
+    """docs/layout.md is what the tree's docstrings say: a row per module, none for a module
+    that is gone (regenerate with ``python -m opacus_fsdp_sync.testing.module_map``)."""
+    import re
+
+    from opacus_fsdp_sync.testing import module_map
+
+    root = house.package_root()
+    committed = (root.parent / module_map.MAP_PATH).read_text(encoding="utf-8")
+    rows = set()
+    folder = None
+    for line in committed.splitlines():
+        if m := re.match(r"## `(.+)/`$", line):
+            folder = m.group(1)
+        elif (m := re.match(r"\| `([\w.]+\.py)` \|", line)) and folder:
+            rows.add(f"{folder}/{m.group(1)}")
+    on_disk = {
+        p.relative_to(root.parent).as_posix()
+        for p in root.rglob("*.py")
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    assert not on_disk - rows, f"modules without a row: {sorted(on_disk - rows)}"
+    assert not rows - on_disk, f"rows for missing modules: {sorted(rows - on_disk)}"
+    assert committed == module_map.render(root), "docs/layout.md is stale: regenerate it"
