@@ -46,13 +46,13 @@ class GhostOptions:
     bit for bit)."""
     gram_block: int | str = "auto"
     """With ``fast_norms``: tokens per row block of the symmetric Gram matrices, of which only the
-    upper block triangle is computed (:mod:`opacus_fsdp_sync.block_gram`; about 5/8 of the Gram
-    FLOPs at four blocks), by the layer input's device for ``"auto"``: 64 on CPU (measured), 512
-    on accelerators (not yet measured on a GPU); 0: full Gram matrices."""
+    upper block triangle is computed (:mod:`opacus_fsdp_sync.layers.linear_grams`; about 5/8 of
+    the Gram FLOPs at four blocks), by the layer input's device for ``"auto"``: 64 on CPU
+    (measured), 512 on accelerators (not yet measured on a GPU); 0: full Gram matrices."""
     per_sample_grads: bool | str = "auto"
     """One backward with ``fast_norms``: sequence ``Linear`` layers materialise per-sample
     gradients in the first pass (norms and clipped gradient from them, no ghost norm; see
-    :mod:`opacus_fsdp_sync.one_backward.per_sample`). ``"auto"``: where that saves FLOPs, while
+    :mod:`opacus_fsdp_sync.layers.linear_policy`). ``"auto"``: where that saves FLOPs, while
     the step's per-sample gradients fit ``per_sample_grads_budget_bytes``; True: every sequence
     Linear layer that fits; False: ghost norms only."""
     per_sample_grads_budget_bytes: int | None = None
@@ -62,7 +62,7 @@ class GhostOptions:
     """With ``fast_norms``: choose each sequence ``Linear`` layer's norm strategy (full Grams,
     each sensible ``gram_block``, per-sample gradients within their budget) by timing them on
     the real inputs the first time a layer shape, dtype, device and sequence length is met, and
-    reuse the fastest (:mod:`opacus_fsdp_sync.norm_tuner`; every candidate is exact). Replaces
+    reuse the fastest (:mod:`opacus_fsdp_sync.tuning`; every candidate is exact). Replaces
     ``gram_block="auto"`` and the ``per_sample_grads="auto"`` cost rule; an explicit block or
     ``per_sample_grads=True``/``False`` is kept. ``"auto"``: on for accelerators, off on CPU
     (where it does not pay for the benchmark's preset); distributed runs tune on rank 0 at the

@@ -46,7 +46,6 @@ from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
 
-_GHOST_MODES = GHOST_MODES
 #: What Opacus's ``make_private`` counts as distributed (by the passed object's type).
 _OPACUS_DISTRIBUTED = (
     opacus.distributed.DifferentiallyPrivateDistributedDataParallel,
@@ -222,13 +221,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 and what the API's record refuses.
         """
         mode = kwargs.get("grad_sample_mode", "hooks")
-        if mode not in (*_GHOST_MODES, *OPACUS_MODES):
+        if mode not in (*GHOST_MODES, *OPACUS_MODES):
             raise UnsupportedConfigurationError(
-                f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, _GHOST_MODES))} "
+                f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, GHOST_MODES))} "
                 f"(ghost clipping; 'ghost_fsdp' for FSDP models) or Opacus's "
                 f"{', '.join(map(repr, OPACUS_MODES))}"
             )
-        if mode not in _GHOST_MODES or "module" not in kwargs:
+        if mode not in GHOST_MODES or "module" not in kwargs:
             if "module" in kwargs:  # Opacus's own modes miscalibrate these layouts too
                 check_parallelism(_unwrap(kwargs["module"]))
             return _CallPlan()
@@ -380,11 +379,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ):
         """Opacus's model preparation; ghost modes get exact shared-weight and padding norms.
 
-        See :mod:`opacus_fsdp_sync.tied`.
+        See :mod:`opacus_fsdp_sync.layers.tied`.
         """
         from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 
-        if grad_sample_mode in _GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
+        if grad_sample_mode in GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
             self.validate(module=module, optimizer=None, data_loader=None)
             shared = find_shared_parameters(module)
             if shared:

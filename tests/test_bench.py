@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 
 import opacus_fsdp_sync
-from opacus_fsdp_sync.bench import compare as bench_compare
 from opacus_fsdp_sync.bench import modes as bench_modes
 
 PACKAGE = Path(opacus_fsdp_sync.__file__).resolve().parent
 BENCH = "opacus_fsdp_sync.bench"
-#: Thin re-export shims at the old import paths: they import the benchmark part on purpose.
-SHIMS = ("opacus_fsdp_sync.compare", "opacus_fsdp_sync.profiling.modes")
 
 #: The modes table as it was written out by hand before it was generated (a frozen copy; the
 #: reference for the generated table): name -> (private, engine_kwargs, grad_sample_mode,
@@ -110,19 +107,6 @@ def test_get_mode_names_the_allowed_modes():
         bench_modes.get_mode("nope")
 
 
-def test_old_import_paths_are_the_bench_objects():
-    from opacus_fsdp_sync import compare, profiling
-    from opacus_fsdp_sync.profiling import modes
-
-    assert compare.main is bench_compare.main
-    assert compare.CompareConfig is bench_compare.CompareConfig
-    for name in ("MODES", "ModeSpec", "get_mode"):
-        assert getattr(modes, name) is getattr(bench_modes, name)
-        assert getattr(profiling, name) is getattr(bench_modes, name)
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        profiling.nope  # noqa: B018
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -131,7 +115,7 @@ def _module_name(path: Path) -> str:
 def _core_modules() -> dict[str, Path]:
     mods = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
     core = {
-        n: p for n, p in mods.items() if n not in SHIMS and not (n + ".").startswith(BENCH + ".")
+        n: p for n, p in mods.items() if not (n + ".").startswith(BENCH + ".")
     }
     assert "opacus_fsdp_sync.privacy_engine" in core and len(core) > 30  # the walk found them
     return core
@@ -184,11 +168,7 @@ def test_core_package_never_imports_the_benchmark_part():
     for name, path in _core_modules().items():
         for target, lazy in _imported(name, path):
             if _is_under(target, BENCH):
-                offenders.append(f"{name} imports {target}")
-            # A shim may be reached only lazily, from a module-level __getattr__ that forwards a
-            # moved name (``opacus_fsdp_sync.profiling``), never at import time.
-            elif any(_is_under(target, s) for s in SHIMS) and not lazy:
-                offenders.append(f"{name} imports the shim {target}")
+                offenders.append(f"{name} imports {target}{' (lazily)' if lazy else ''}")
     assert not offenders, "\n".join(offenders)
 
 
@@ -198,7 +178,7 @@ def test_importing_the_core_package_loads_no_benchmark_module():
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
         "    importlib.import_module(name)\n"
-        f"bad = sorted(m for m in sys.modules if m.startswith({BENCH!r}) or m in {SHIMS!r})\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith({BENCH!r}))\n"
         "print(len(bad)); print(bad)\n"
     )
     proc = subprocess.run(

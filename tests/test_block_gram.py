@@ -4,14 +4,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from opacus_fsdp_sync.block_gram import (
+from opacus_fsdp_sync.layers.linear import GramCache
+from opacus_fsdp_sync.layers.linear_grams import (
     contract_output_grams,
     flop_fraction,
     resolve_block,
     row_blocks,
     upper_gram,
 )
-from opacus_fsdp_sync.linear_norm import GramCache
 from opacus_fsdp_sync.testing import run_ranks
 from tests import workers_misc
 

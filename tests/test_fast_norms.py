@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opacus_fsdp_sync import PrivacyEngine
-from opacus_fsdp_sync.linear_norm import GramCache
+from opacus_fsdp_sync.layers.linear import GramCache
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.models import SharedInputSeqNet, seq_sample_loss
 from tests.private import capture_ghost_log, make_private
@@ -201,7 +201,7 @@ def test_per_sample_grads_option_is_validated():
 
 
 def test_per_sample_cost_rule_follows_the_machine_balance():
-    from opacus_fsdp_sync.one_backward.per_sample import PerSampleGradPolicy, machine_balance
+    from opacus_fsdp_sync.layers.linear_policy import PerSampleGradPolicy, machine_balance
 
     cpu_dev, cuda_dev = torch.device("cpu"), torch.device("cuda")  # device objects only
     cpu = PerSampleGradPolicy(1, flops_per_byte=machine_balance(cpu_dev))

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opacus_fsdp_sync import PrivacyEngine, replay
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.layers import generic as replay
 from opacus_fsdp_sync.testing import per_sample_clipped_grads
 from tests.private import make_private
 

@@ -3,6 +3,7 @@ import circle. Nothing distributed runs here."""
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from pathlib import Path
 
@@ -162,3 +163,10 @@ def test_the_module_map_is_generated_from_the_tree():
     assert not on_disk - rows, f"modules without a row: {sorted(on_disk - rows)}"
     assert not rows - on_disk, f"rows for missing modules: {sorted(rows - on_disk)}"
     assert committed == module_map.render(root), "docs/layout.md is stale: regenerate it"
+
+
+def test_no_module_only_re_exports_another():
+    """Code that moved leaves no shim behind (a shim doubles the boxes a reader must open)."""
+    assert house.counts().re_exports == ()
+    shim = ast.parse('"""Moved."""\nfrom .a import b\n__all__ = ["b"]\n')
+    assert house.is_re_export(shim) and not house.is_re_export(ast.parse("def f():\n    pass\n"))

@@ -11,7 +11,10 @@ import torch
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.layers.linear import LinearRoom
-from opacus_fsdp_sync.norm_tuner import (
+from opacus_fsdp_sync.profiling import StepTimer
+from opacus_fsdp_sync.profiling.memory import size_text
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads, run_ranks
+from opacus_fsdp_sync.tuning import (
     Candidate,
     Choice,
     NormKey,
@@ -19,9 +22,6 @@ from opacus_fsdp_sync.norm_tuner import (
     sensible_blocks,
     tuning_wanted,
 )
-from opacus_fsdp_sync.profiling import StepTimer
-from opacus_fsdp_sync.profiling.memory import size_text
-from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads, run_ranks
 from tests import workers_tuner
 from tests.models import SharedInputSeqNet, seq_sample_loss
 from tests.private import capture_ghost_log, make_private

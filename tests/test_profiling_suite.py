@@ -181,7 +181,7 @@ def test_optimizer_breakdown_times_every_part():
 
 def test_gram_blocks_benchmark_reports_fewer_flops_and_equal_norms(tmp_path):
     """The Gram-block benchmark times the engine's sampler and checks its norms per block."""
-    from opacus_fsdp_sync.block_gram import flop_fraction
+    from opacus_fsdp_sync.layers.linear_grams import flop_fraction
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [

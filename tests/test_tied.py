@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.layers.tied import UnsupportedTiedParameterError, find_shared_parameters
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import per_sample_clipped_grads, run_ranks
-from opacus_fsdp_sync.tied import UnsupportedTiedParameterError, find_shared_parameters
 from tests import workers_tied
 from tests.private import lm_loss, make_private
 

@@ -67,7 +67,7 @@ def dtensor_linear_norms(rank: int, world: int) -> dict:
     from torch import nn
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from opacus_fsdp_sync.linear_norm import GramCache, make_linear_norm_sampler
+    from opacus_fsdp_sync.layers.linear import GramCache, make_linear_norm_sampler
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)

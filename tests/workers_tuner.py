@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from opacus_fsdp_sync import PrivacyEngine
-from opacus_fsdp_sync.norm_tuner import Candidate
+from opacus_fsdp_sync.tuning import Candidate
 from tests.models import SharedInputSeqNet
 from tests.private import capture_ghost_log, make_private
 from tests.workers_core import _full_params

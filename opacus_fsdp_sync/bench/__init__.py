@@ -7,8 +7,7 @@
 - :mod:`opacus_fsdp_sync.bench.throughput`: the suite's cost per example and tokens per second
   over the measured steps, by which its tables and plots compare modes.
 
-The core package (everything outside this subpackage and the two re-export shims
-``opacus_fsdp_sync.compare`` and ``opacus_fsdp_sync.profiling.modes``) does not import it;
+The core package (everything outside this subpackage) does not import it;
 ``tests/test_bench.py`` checks that. It ships inside the package so that the console script and
 ``python -m opacus_fsdp_sync.bench.compare`` work from an install, without a second top-level
 package.

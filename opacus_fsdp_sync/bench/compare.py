@@ -8,9 +8,8 @@ each against a single-process reference. ``grad_access`` rows use
 
 Run ``python -m opacus_fsdp_sync.bench.compare`` (CPU/gloo ranks are spawned per world size), or
 under ``torchrun --nproc-per-node N -m opacus_fsdp_sync.bench.compare`` (one world size,
-CUDA/NCCL when available); ``opacus-fsdp-sync-compare`` and the old module path
-``opacus_fsdp_sync.compare`` run the same. Exit code 0 when ``grad_access`` has no regression and
-passes everything.
+CUDA/NCCL when available); ``opacus-fsdp-sync-compare`` runs the same. Exit code 0 when
+``grad_access`` has no regression and passes everything.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Distributed-API detection and the per-API gradient-sync controllers."""
 
+from ..errors import UnsupportedConfigurationError
 from ._ddp_internals import DDPInternalsError
 from ._fsdp2_internals import FSDPInternalsError
-from .controllers import (
-    DDPController,
-    FSDP2Controller,
-    NullController,
-    UnsupportedConfigurationError,
-    make_controller,
-)
+from .ddp import DDPController
 from .detect import DDP, FSDP1, FSDP2, DistributedRoot, _get_fsdp_root_module, get_fsdp_root_module
+from .fsdp2 import FSDP2Controller
+from .single import NullController
 from .version_gate import TESTED_TORCH_VERSIONS, TorchInternalsError
 
 __all__ = [
@@ -27,5 +24,4 @@ __all__ = [
     "UnsupportedConfigurationError",
     "_get_fsdp_root_module",
     "get_fsdp_root_module",
-    "make_controller",
 ]

@@ -40,7 +40,7 @@ class DDPController:
     What skips the first pass's all-reduce is the activations-only first pass: it produces no
     parameter gradient, so none of DDP's hooks fires. The clipped gradients are then averaged
     once: by default by the one-backward hand-off
-    (:class:`~opacus_fsdp_sync.one_backward.ddp.DDPHandoff`, one bucketed all-reduce, DDP's
+    (:class:`DDPHandoff`, one bucketed all-reduce, DDP's
     reducer sees nothing in the whole step), otherwise by DDP's own bucketed all-reduce in the
     clipped second pass. The engine swaps in
     :class:`~opacus_fsdp_sync.optimizers.SharedNoiseDPOptimizer`, which does not all-reduce

@@ -27,7 +27,7 @@ class ShardingConfig:
 
     Every layout it produces is one Opacus ghost clipping accepts: sharded layers keep their
     original type as the second base class, and a weight shared by several layers stays in one
-    FSDP unit (its exact per-sample norm comes from :mod:`opacus_fsdp_sync.tied`).
+    FSDP unit (its exact per-sample norm comes from :mod:`opacus_fsdp_sync.layers.tied`).
     """
 
     strategy: str = "full"

@@ -140,6 +140,8 @@ class HouseCounts:
     """Import circles."""
     longest: tuple[str, int]
     """The longest module and its line count."""
+    re_exports: tuple[str, ...] = ()
+    """Modules (not packages) that only re-export names defined elsewhere."""
 
 
 def _is_probe(node: ast.AST) -> bool:
@@ -166,21 +168,42 @@ def _is_api_switch(node: ast.AST) -> bool:
     return False
 
 
+def is_re_export(tree: ast.Module) -> bool:
+    """Whether a module's body is only a docstring, imports, ``__all__`` and no definition."""
+    body = [
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))  # docstring
+    ]
+    imports_only = all(
+        isinstance(n, (ast.Import, ast.ImportFrom))
+        or (
+            isinstance(n, ast.Assign)
+            and all(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+        )
+        for n in body
+    )
+    return bool(body) and imports_only
+
+
 def counts(root: Path | None = None) -> HouseCounts:
     """Counts :class:`HouseCounts` over the package (benchmark clients and train/ included)."""
     probes = switches = 0
     longest = ("", 0)
+    re_exports = []
     for name, path in modules(root).items():
         text = path.read_text()
         lines = text.count("\n")
         if lines > longest[1]:
             longest = (name, lines)
         tree = ast.parse(text)
+        if path.name != "__init__.py" and is_re_export(tree):
+            re_exports.append(name)
         if "_internals" not in name:
             probes += sum(_is_probe(n) for n in ast.walk(tree))
         if not name.endswith(("distributed.detect", "distributed.registry")):
             switches += sum(_is_api_switch(n) for n in ast.walk(tree))
-    return HouseCounts(probes, switches, len(import_circles(root)), longest)
+    return HouseCounts(probes, switches, len(import_circles(root)), longest, tuple(re_exports))
 
 
 def main() -> None:
@@ -192,6 +215,7 @@ def main() -> None:
     for group in import_circles():
         print("  " + " <-> ".join(group))
     print(f"longest module: {c.longest[0]} ({c.longest[1]} lines)")
+    print(f"re-export modules: {len(c.re_exports)} {list(c.re_exports)}")
 
 
 if __name__ == "__main__":
