@@ -17,14 +17,14 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from .distributed.api import DPOptimizerOps, GradientHandoff, StepController
-from .distributed.single import NullController
+from .apis.api import GradientHandoff, StepController
+from .apis.single import NullController
 from .errors import attach_cleanup_error
 from .hooks.contract import StepHooks
 from .hooks.ghost import step_hooks
 from .hooks.kept import kept_bytes
-from .one_backward.memory import MemoryBudget
-from .optimizers.ops import OpacusOptimizerOps
+from .one_backward.memory import MemoryBudget, MemoryPlan
+from .optimizers.ops import DPOptimizerOps, OpacusOptimizerOps
 from .profiling.phases import phase
 from .profiling.timers import StepTimer
 
@@ -73,6 +73,20 @@ def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
     raise ValueError(
         f"loss_reduction = {loss_reduction!r}. Only 'sum' and 'mean' losses are supported"
     )
+
+
+@dataclass
+class _StepPath:
+    """What :meth:`SyncDPTensor._choose_path` decided for one step."""
+
+    #: The first pass's sources (the hooked outputs it differentiates), until the pass runs.
+    sources: list | None
+    #: Whether the first pass computes activation gradients only.
+    restricted: bool
+    #: Whether the clipped gradients come from what the first pass kept (one backward).
+    one: bool
+    #: The memory plan checked before the pass (None: no budget).
+    plan: MemoryPlan | None
 
 
 class SyncDPTensor(DPTensorFastGradientClipping):
@@ -135,20 +149,33 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def backward(self) -> None:
         """Runs the private step's backward: the norm-only first pass, then the clipped gradients.
 
-        The clipped gradients come from a second backward, or, with the one-backward hand-off,
-        straight from what the first pass kept. Gradient sync, FSDP state and Opacus hooks are
-        restored even on error.
+        Three steps: choose the path (:meth:`_choose_path`), run the first pass
+        (:meth:`_first_pass`), then hand over the clipped gradients (:meth:`_clipped_pass`),
+        from a second backward or, with the one-backward hand-off, straight from what the first
+        pass kept. Gradient sync, FSDP state and Opacus hooks are restored even on error.
 
         Raises:
             ValueError: for a loss reduction other than ``"mean"`` or ``"sum"``.
         """
-        controller, timer = self.context.controller, self.context.timer
         hooks = step_hooks(self.module)
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
-        timer.flush()  # previous step's CUDA events, if any were left pending
+        self.context.timer.flush()  # previous step's CUDA events, if any were left pending
         self.context.optimizer_ops.prefetch_noise()  # drawn while this backward runs
+        path = self._choose_path(hooks)
+        self._first_pass(reduced_loss, hooks, path)
+        self._clipped_pass(hooks, one=path.one)
+        self.context.last_step_one_backward = path.one
+        self.context.timer.end_step()
+
+    def _choose_path(self, hooks: StepHooks) -> _StepPath:
+        """Which first pass and which hand-off this step takes; logs each fallback.
+
+        Raises:
+            RuntimeError: when the API needs an activations-only first pass and there is none.
+        """
         sources = hooks.begin_step()
         restricted = self.context.restricted_first_pass and bool(sources)
+        controller = self.context.controller
         if controller.requires_restricted and not restricted:
             hooks.abort()
             raise RuntimeError(
@@ -176,22 +203,32 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 self._clean_up_failed_step(err, hooks)
                 raise
             one = plan is None or not plan.two_pass
-        if plan is not None and one:
-            hooks.begin_first_pass(keep=one, per_sample=plan.per_sample, headroom=plan.headroom)
+        return _StepPath(sources=sources, restricted=restricted, one=one, plan=plan)
+
+    def _first_pass(self, reduced_loss: torch.Tensor, hooks: StepHooks, path: _StepPath) -> None:
+        """The norm-only first backward; on error every part is cleaned up, then it re-raises."""
+        controller, timer = self.context.controller, self.context.timer
+        if path.plan is not None and path.one:
+            hooks.begin_first_pass(
+                keep=True, per_sample=path.plan.per_sample, headroom=path.plan.headroom
+            )
         else:
-            hooks.begin_first_pass(keep=one)
+            hooks.begin_first_pass(keep=path.one)
+        sources, path.sources = path.sources, None  # held by the pass only
         first_error: BaseException | None = None
         try:
             with phase("first_backward"), timer.phase("first_backward"):
                 controller.begin_first_pass()
-                reduced_loss.backward(inputs=sources if restricted else None, retain_graph=not one)
-                if restricted:
+                reduced_loss.backward(
+                    inputs=sources if path.restricted else None, retain_graph=not path.one
+                )
+                if path.restricted:
                     hooks.check_all_reported()
         except BaseException as err:  # cleaned up below, then re-raised
             first_error = err
         del sources
         try:
-            hooks.end_first_pass(completed=first_error is None, restricted=restricted)
+            hooks.end_first_pass(completed=first_error is None, restricted=path.restricted)
         except BaseException as err:
             first_error = _first(first_error, err)
         try:
@@ -205,6 +242,9 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             except BaseException:
                 self._clean_up_failed_step(first_error, hooks)
                 raise
+
+    def _clipped_pass(self, hooks: StepHooks, *, one: bool) -> None:
+        """The clipped gradients: from what the first pass kept (``one``) or a second backward."""
         try:
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
@@ -222,15 +262,13 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 second = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
                 hooks.disable_hooks()
                 try:
-                    with phase("second_backward"), timer.phase("second_backward"):
+                    with phase("second_backward"), self.context.timer.phase("second_backward"):
                         second.backward()
                 finally:
                     hooks.enable_hooks()
         except BaseException as err:
             self._clean_up_failed_step(err, hooks)
             raise
-        self.context.last_step_one_backward = one
-        timer.end_step()
 
     def _clean_up_failed_step(self, error: BaseException, hooks: StepHooks) -> None:
         """Drops everything a failed step left, every part even when an earlier part raises.

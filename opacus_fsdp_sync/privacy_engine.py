@@ -15,11 +15,12 @@ import torch
 from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 
+from .apis.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
+from .apis.plan import per_sample_policy, plan_handoff
+from .apis.registry import detect_api
 from .backward import GhostStepContext, SyncDPLoss
-from .distributed.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
-from .distributed.registry import detect_api
 from .distributed.tensor_parallel import (
     TensorParallelLayout,
     check_secure_mode,
@@ -34,7 +35,6 @@ from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
 from .layers.tied import find_shared_parameters
 from .one_backward.memory import MemoryBudget, MemoryPlan
-from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.timers import StepTimer, timing_enabled_from_env

@@ -9,21 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from opacus_fsdp_sync.distributed import ddp, fsdp1, fsdp2, single
-from opacus_fsdp_sync.distributed.api import (
-    GHOST_MODES,
-    ApiRecord,
-    DPOptimizerOps,
-    GradientHandoff,
-    StepController,
-)
-from opacus_fsdp_sync.distributed.registry import RECORDS, record_for
+from opacus_fsdp_sync.apis import ddp, fsdp1, fsdp2, single
+from opacus_fsdp_sync.apis.api import GHOST_MODES, ApiRecord, GradientHandoff, StepController
+from opacus_fsdp_sync.apis.registry import RECORDS, record_for
 from opacus_fsdp_sync.optimizers import (
     FSDP1DPOptimizer,
     ShardedNoiseFSDPOptimizer,
     SharedNoiseDPOptimizer,
 )
-from opacus_fsdp_sync.optimizers.ops import OpacusOptimizerOps
+from opacus_fsdp_sync.optimizers.ops import DPOptimizerOps, OpacusOptimizerOps
 from opacus_fsdp_sync.testing import house
 
 #: Every class that plays a contract's part, by contract.
@@ -170,3 +164,21 @@ def test_no_module_only_re_exports_another():
     assert house.counts().re_exports == ()
     shim = ast.parse('"""Moved."""\nfrom .a import b\n__all__ = ["b"]\n')
     assert house.is_re_export(shim) and not house.is_re_export(ast.parse("def f():\n    pass\n"))
+
+
+def test_no_two_rooms_import_each_other():
+    """Folders (and loose top-level modules) form no circle, imports inside functions included:
+    mechanics below the records, the records below the step."""
+    assert house.folder_circles() == []
+
+
+def test_the_room_circle_finder_sees_a_lazy_import_up_a_floor(tmp_path: Path):
+    pkg = tmp_path / "opacus_fsdp_sync"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from ..low import b\n")
+    (pkg / "low" / "b.py").write_text("def later():\n    from ..high import a\n")
+    (pkg / "low" / "c.py").write_text("from . import b\n")  # same room: no circle
+    assert house.folder_circles(pkg) == [["opacus_fsdp_sync.high", "opacus_fsdp_sync.low"]]

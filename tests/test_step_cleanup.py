@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from opacus_fsdp_sync import PrivacyEngine
-from opacus_fsdp_sync.distributed import NullController
+from opacus_fsdp_sync.apis import NullController
 from tests.models import Tripwire
 from tests.private import make_private
 from tests.test_single_device import B, _diff, _loop, toy_setup

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..apis.api import DDP, FSDP1, FSDP2, ApiRecord
+from ..apis.registry import detect_api
 from ..distributed import _fsdp1_internals as fsdp1
 from ..distributed import _fsdp2_internals as internals
-from ..distributed.api import DDP, FSDP1, FSDP2, ApiRecord
 from ..distributed.detect import _unwrap
-from ..distributed.registry import detect_api
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class GradLayout:
     """A model as gradient access sees it.
 
     Attributes:
-        record: The distributed API's record (:mod:`opacus_fsdp_sync.distributed.api`).
+        record: The distributed API's record (:mod:`opacus_fsdp_sync.apis.api`).
         model: The user's model (Opacus and DDP wrappers removed).
         roots: The outermost FSDP modules, or the DDP module (empty for a single device).
         params: Registered parameters by clean name (for FSDP: the sharded ones at rest).

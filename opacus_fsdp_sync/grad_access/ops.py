@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed.api import FSDP1, FSDP2, TP
-from ..distributed.registry import record_for
+from ..apis.api import FSDP1, FSDP2, TP
+from ..apis.registry import record_for
 from .microbatch import GradLayout, resolve
 
 logger = logging.getLogger(__name__)

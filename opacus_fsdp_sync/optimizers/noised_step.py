@@ -79,7 +79,7 @@ class ScaledWithNoise:
     """Mixin: ``scale_grad`` does nothing after an ``add_noise`` that scaled (set ``_scaled``).
 
     The base of this package's DP optimizers, which implement the engine's whole optimizer
-    contract (:class:`~opacus_fsdp_sync.distributed.api.DPOptimizerOps`): draw noise ahead,
+    contract (:class:`~opacus_fsdp_sync.apis.api.DPOptimizerOps`): draw noise ahead,
     read gradients cleared to None, restart the noise streams from fresh OS entropy.
     """
 

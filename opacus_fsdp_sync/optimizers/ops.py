@@ -7,6 +7,8 @@ generator.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from opacus.optimizers import DistributedDPOptimizer
 from opacus.optimizers.ddp_perlayeroptimizer import DistributedPerLayerOptimizer
@@ -17,8 +19,22 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
 
-from ..distributed.api import DPOptimizerOps
 from .noised_step import ScaledWithNoise
+
+
+@runtime_checkable
+class DPOptimizerOps(Protocol):
+    """What the engine and the step may ask of a DP optimizer besides Opacus's own methods."""
+
+    accepts_none_grads: bool
+    """Gradients cleared to None between the passes count as zeros (and still get noise)."""
+
+    def prefetch_noise(self) -> None:
+        """Starts drawing the next step's noise now, to overlap the backward (or nothing)."""
+
+    def reseed_noise(self) -> None:
+        """Restarts every noise stream from OS entropy (collective), dropping draws ahead."""
+
 
 #: Opacus's optimizers whose ranks must share one noise stream (replicas stay equal).
 _DISTRIBUTED = (

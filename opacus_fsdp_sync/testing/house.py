@@ -92,6 +92,12 @@ def import_circles(root: Path | None = None) -> list[list[str]]:
     graph = imports(root)
     for name in graph:  # edges into a parent package's __init__ are how Python finds siblings
         graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    return _strongly_connected(graph)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of more than one node that reach each other in ``graph`` (Tarjan)."""
+    graph = {v: {w for w in ws if w in graph} for v, ws in graph.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -128,6 +134,33 @@ def import_circles(root: Path | None = None) -> list[list[str]]:
     return out
 
 
+def room(name: str) -> str:
+    """A module's room: its folder (sub-package), or itself when it lies loose at the top."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else name
+
+
+def rooms(root: Path | None = None) -> set[str]:
+    """Every room of the package: each sub-package and each loose top-level module."""
+    return {room(name) for name in modules(root) if name != PACKAGE}
+
+
+def folder_circles(root: Path | None = None) -> list[list[str]]:
+    """Groups of rooms that import each other around a circle.
+
+    Imports inside functions count: a lazy import that reaches up a floor is still a circle.
+    """
+    graph: dict[str, set[str]] = {}
+    for name, targets in imports(root).items():
+        if name == PACKAGE:
+            continue
+        here = room(name)
+        graph.setdefault(here, set()).update(
+            room(t) for t in targets if t != PACKAGE and room(t) != here
+        )
+    return _strongly_connected(graph)
+
+
 @dataclass(frozen=True)
 class HouseCounts:
     """What the restructuring targets, counted."""
@@ -137,11 +170,15 @@ class HouseCounts:
     api_switches: int
     """Comparisons against an API name string outside detection and the records."""
     circles: int
-    """Import circles."""
+    """Import circles between modules."""
     longest: tuple[str, int]
     """The longest module and its line count."""
     re_exports: tuple[str, ...] = ()
     """Modules (not packages) that only re-export names defined elsewhere."""
+    folder_circles: int = 0
+    """Import circles between rooms (folders, loose top-level modules), lazy imports included."""
+    rooms: int = 0
+    """Rooms: sub-packages and loose top-level modules."""
 
 
 def _is_probe(node: ast.AST) -> bool:
@@ -201,9 +238,17 @@ def counts(root: Path | None = None) -> HouseCounts:
             re_exports.append(name)
         if "_internals" not in name:
             probes += sum(_is_probe(n) for n in ast.walk(tree))
-        if not name.endswith(("distributed.detect", "distributed.registry")):
+        if not name.endswith(("distributed.detect", "apis.registry")):
             switches += sum(_is_api_switch(n) for n in ast.walk(tree))
-    return HouseCounts(probes, switches, len(import_circles(root)), longest, tuple(re_exports))
+    return HouseCounts(
+        probes,
+        switches,
+        len(import_circles(root)),
+        longest,
+        tuple(re_exports),
+        len(folder_circles(root)),
+        len(rooms(root)),
+    )
 
 
 def main() -> None:
@@ -216,6 +261,10 @@ def main() -> None:
         print("  " + " <-> ".join(group))
     print(f"longest module: {c.longest[0]} ({c.longest[1]} lines)")
     print(f"re-export modules: {len(c.re_exports)} {list(c.re_exports)}")
+    print(f"circles between rooms: {c.folder_circles}")
+    for group in folder_circles():
+        print("  " + " <-> ".join(group))
+    print(f"rooms (folders and loose top-level modules): {c.rooms}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.llama import PRESETS, TASKS
-from .privacy import PRIVACY_NOTE
+from .disclosure import PRIVACY_NOTE
 from .run_file import load_run_file
 
 #: The allowed values of the fields that take one of a few (checked, and shown by ``--help``).

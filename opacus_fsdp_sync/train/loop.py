@@ -28,17 +28,11 @@ from ..privacy_engine import PrivacyEngine
 from ..sharding import load_checkpoint, save_checkpoint
 from .config import TrainConfig, check_out
 from .data import IGNORE, SYNTHETIC_VOCAB, Examples, file_dataset, split, synthetic_sequences
+from .disclosure import NOT_PRIVATE, PRIVACY_NOTE
 from .export import export
 from .model import base_path, build_model, load_tokenizer, shard
 from .optim import build_optimizer, build_scheduler
-from .privacy import (
-    NOT_PRIVATE,
-    PRIVACY_NOTE,
-    guarantee,
-    noise_for_target,
-    plan_steps,
-    privacy_unit,
-)
+from .privacy import guarantee, noise_for_target, plan_steps, privacy_unit
 from .run_state import load_run_state, prune_checkpoints, save_run_state, truncate_metrics
 from .tensorboard import MetricsWriter
 

@@ -2,44 +2,19 @@
 
 The steps a run takes are decided once (:func:`plan_steps`) and the noise for a target epsilon
 is calibrated for exactly those steps (:func:`noise_for_target`), so the accountant never reports
-more than the target. What the trainer reports outside the guarantee, and which unit of the data
-the guarantee protects, is named here too, for ``--help``, the log and ``summary.json``.
+more than the target. What the trainer reports outside the guarantee is named in
+:mod:`.disclosure`; which unit of the data the guarantee protects, here (:func:`privacy_unit`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from opacus.accountants.utils import get_noise_multiplier
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
-
-#: What the trainer reports or writes outside the (epsilon, delta) guarantee, by the name it
-#: has in ``metrics.jsonl``, ``summary.json`` or ``--out``, and why.
-NOT_PRIVATE: dict[str, str] = {
-    "train_loss": "un-noised loss on the private training examples (also the progress bar's)",
-    "heldout_loss": "un-noised loss on the held-out split, drawn from the same private data",
-    "examples_seen": "the realized Poisson batch sizes, which depend on who is in the data",
-    "step_ms": "step times (and the progress bar's tokens/s), which follow the batch sizes",
-    "wall_s": "the run's wall time, which follows the batch sizes",
-    "metrics.png": "plots train_loss and heldout_loss",
-    "checkpoints": "the sampler's seed and the noise generators' states: the DP randomness",
-}
-
-#: For ``--help``, the start-up log and the README.
-PRIVACY_NOTE = (
-    "Not private (outside the (epsilon, delta) guarantee, which covers the trained weights): "
-    "the train loss (metrics.jsonl, progress bar, metrics.png) and the held-out loss (also in "
-    "summary.json; the held-out split comes from the same private data) are computed without "
-    "noise; examples_seen and the timings follow the realized Poisson batch sizes; checkpoints "
-    "hold the sampler's seed and the noise generators' states. Keep all of them as private as "
-    "the data. Privacy unit: one example of the synthetic task; with --data, one record (a line "
-    "of .txt, a JSON line, a data set row), which is one example, never concatenated with "
-    "another."
-)
+from .config import TrainConfig
+from .disclosure import NOT_PRIVATE
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import _ddp_internals as internals
 from ..errors import UnsupportedConfigurationError
-from . import _ddp_internals as internals
 from .api import (
     DDP,
     ApiRecord,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..distributed.layout import listing
 from ..errors import UnsupportedConfigurationError
 from .api import SINGLE, ApiRecord, Capabilities, WholeStepHandoff, opacus_optimizer
-from .layout import listing
 
 
 class NullController:

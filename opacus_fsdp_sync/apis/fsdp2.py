@@ -22,13 +22,13 @@ from contextlib import AbstractContextManager
 
 from torch import nn
 
+from ..distributed import _fsdp2_internals as internals
+from ..distributed import version_gate
+from ..distributed.layout import listing, world_size
+from ..distributed.tensor_parallel import as_param_grad
 from ..errors import UnsupportedConfigurationError, attach_cleanup_error
-from . import _fsdp2_internals as internals
-from . import version_gate
 from .api import FSDP2, ApiRecord, Capabilities
-from .layout import listing, world_size
 from .single import NullController
-from .tensor_parallel import as_param_grad
 
 logger = logging.getLogger("opacus_fsdp_sync")
 

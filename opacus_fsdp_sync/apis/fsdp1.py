@@ -16,12 +16,12 @@ import sys
 
 from torch import nn
 
+from ..distributed import _fsdp1_internals as internals
+from ..distributed import version_gate
+from ..distributed._fsdp2_internals import FSDPInternalsError
+from ..distributed.layout import listing, world_size
 from ..errors import UnsupportedConfigurationError, attach_cleanup_error
-from . import _fsdp1_internals as internals
-from . import version_gate
-from ._fsdp2_internals import FSDPInternalsError
 from .api import FSDP1, ApiRecord, Capabilities, WholeStepHandoff, shared_noise_optimizer
-from .layout import listing, world_size
 
 logger = logging.getLogger("opacus_fsdp_sync")
 

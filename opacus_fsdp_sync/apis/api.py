@@ -23,6 +23,8 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
+from ..optimizers import SharedNoiseDPOptimizer
+
 logger = logging.getLogger("opacus_fsdp_sync")
 
 #: The names records carry (what :class:`~.detect.DistributedRoot` reports as ``api``).
@@ -77,20 +79,6 @@ class GradientHandoff(Protocol):
                 ``{(id(module), name): (module, name, gradient)}``.
             reduce_phase: A context manager factory timing the reduction.
         """
-
-
-@runtime_checkable
-class DPOptimizerOps(Protocol):
-    """What the engine and the step may ask of a DP optimizer besides Opacus's own methods."""
-
-    accepts_none_grads: bool
-    """Gradients cleared to None between the passes count as zeros (and still get noise)."""
-
-    def prefetch_noise(self) -> None:
-        """Starts drawing the next step's noise now, to overlap the backward (or nothing)."""
-
-    def reseed_noise(self) -> None:
-        """Restarts every noise stream from OS entropy (collective), dropping draws ahead."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +172,5 @@ def shared_noise_optimizer(inner, *, generator, secure_mode: bool, **kwargs):
 
     The plans that return it refuse ``secure_mode`` first (a shared pseudo-random draw).
     """
-    from ..optimizers import SharedNoiseDPOptimizer
-
     logger.info("[Ghost] optimizer without all-reduce, one noise draw shared by all ranks")
     return SharedNoiseDPOptimizer(inner, generator=generator, secure_mode=secure_mode, **kwargs)

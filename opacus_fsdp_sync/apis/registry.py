@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..distributed.detect import _get_fsdp_root_module
 from . import ddp, fsdp1, fsdp2, single, tp
 from .api import ApiRecord
-from .detect import _get_fsdp_root_module
 
 #: Every API's record, by name (None: single device). A new API adds its module's record here.
 RECORDS: dict[str | None, ApiRecord] = {

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from ..distributed.registry import Detected
+from ..apis.registry import Detected
 from ..options import GhostOptions
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -47,7 +47,7 @@ def plan_handoff(module, found: Detected, opts: GhostOptions):
     hand-off does not emulate, take the two-pass step.
     """
     from ..hooks.ghost import step_hooks
-    from .step import OneBackwardUnavailable, unsupported_layers
+    from ..one_backward.step import OneBackwardUnavailable, unsupported_layers
 
     if not (opts.one_backward and opts.restricted_first_pass):
         why = "one_backward=False" if opts.restricted_first_pass else "no restricted pass"

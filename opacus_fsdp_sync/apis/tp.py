@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.tensor_parallel import check_names, on_tp_mesh, tp_group
 from ..errors import UnsupportedConfigurationError
 from .api import TP, ApiRecord, Capabilities
 from .single import NullController, SingleDeviceHandoff
-from .tensor_parallel import check_names, on_tp_mesh, tp_group
 
 
 def _controller(modules: list[nn.Module], **_) -> NullController:
