@@ -19,7 +19,7 @@ from .backward import GhostStepContext, SyncDPLoss
 from .distributed.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
-from .distributed.registry import detect_api
+from .distributed.registry import detect_api, resolve_ghost_mode
 from .distributed.tensor_parallel import (
     TensorParallelLayout,
     check_secure_mode,
@@ -181,6 +181,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
+            if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
+                mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
+                kwargs["grad_sample_mode"] = mode
             self._plan = self._plan_call(kwargs, opts)
             #: The options the last model made private runs with (engine's and the call's).
             self.last_options = opts
@@ -214,7 +217,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if mode not in (*_GHOST_MODES, *OPACUS_MODES):
             raise UnsupportedConfigurationError(
                 f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, _GHOST_MODES))} "
-                f"(ghost clipping; 'ghost_fsdp' for FSDP models) or Opacus's "
+                f"(ghost clipping; 'ghost_fsdp' for FSDP and tensor-parallel models, 'ghost_tp' "
+                f"as upstream's name for the latter) or Opacus's "
                 f"{', '.join(map(repr, OPACUS_MODES))}"
             )
         if mode not in _GHOST_MODES or "module" not in kwargs:

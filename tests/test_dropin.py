@@ -65,3 +65,22 @@ def test_opacus_recurrent_layers_run_in_ghost_mode_exactly(kind, one_backward):
     assert not gsm.shared_weights  # the RNN's names for its cells' weights are no tie
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     assert diff < 1e-6, diff
+
+
+def test_ghost_tp_is_upstreams_name_for_the_model_apis_ghost_mode(caplog):
+    """``ghost_tp`` (Opacus 1.6's tensor-parallel ghost clipping) runs the ghost mode of the
+    model's API: ``ghost`` on one device (as upstream's TP class does without a tp layout), the
+    tensor-parallel path on a TP model (``tests/test_tp.py`` runs that path as ``ghost_fsdp``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    C = per_sample_clipped_grads(ref, _loss, x, y, 1.0)[1].median().item()
+    with caplog.at_level("INFO", logger="opacus_fsdp_sync"):
+        gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (x, y), 6, C, "ghost_tp")
+    assert any("grad_sample_mode='ghost_tp'" in r.getMessage() for r in caplog.records)
+    crit(gsm(x), y).backward()
+    opt.step()
+    clip_each_sample_step(ref, _loss, x, y, C, 0.5)
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    assert diff < 1e-6, diff

@@ -167,6 +167,14 @@ def test_sequence_parallel_layers_without_an_exact_norm_are_refused():
     assert results[0] == results[1]
 
 
+def test_ghost_tp_runs_the_tensor_parallel_path():
+    """Upstream's ``grad_sample_mode="ghost_tp"`` on a sequence-parallel TP model: the
+    tensor-parallel path, exact against the loop after one step."""
+    for res in run_ranks(wsp.ghost_tp, 2, timeout=300):
+        assert res["api"] == "tp" and 0 < res["clipped"] < 4, res
+        assert res["diff"] < 1e-6, res
+
+
 def test_cases_a_review_found():
     for rank, res in enumerate(run_ranks(wt.review_cases, 2, timeout=600)):
         frozen = res["frozen"]

@@ -77,3 +77,28 @@ def sp_refusals(rank: int, world: int) -> dict:
         xb = x[:4, :3] if case.startswith("uneven") else x[:4]
         out[case] = _attempt(model, xb, y[:4], even=4 if case == "uneven_later" else 0)
     return out
+
+
+def ghost_tp(rank: int, world: int) -> dict:
+    """One step of :class:`tests.workers_tp.SPNet` under its sequence-parallel plan with
+    ``grad_sample_mode="ghost_tp"`` (upstream's name), against the loop."""
+    import copy
+
+    from opacus_fsdp_sync.testing import clip_each_sample_step
+    from tests.private import make_private
+    from tests.workers_tp import LR, _full, sample_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = base("sp")
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, sp_plan())
+    x, y = (t[:4] for t in dataset().tensors)
+    engine = PrivacyEngine()
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), 4, CLIP["sp"], "ghost_tp", lr=LR)
+    crit(gsm(x), y).backward()
+    opt.step()
+    norms = clip_each_sample_step(ref, sample_loss, x, y, CLIP["sp"], LR)
+    full = _full(model)
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    clipped = int((norms > CLIP["sp"]).sum())
+    return {"diff": diff, "api": engine.distributed_api, "clipped": clipped}
