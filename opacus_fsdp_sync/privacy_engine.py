@@ -275,7 +275,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return SharedPoissonDataLoader.from_data_loader(
                 data_loader,
-                seed=self.randomness.shared_seed("sampler", distributed=distributed),
+                seed=self.randomness.sampler_seed(
+                    data_loader, secure_mode=self.secure_mode, distributed=distributed
+                ),
                 rank=data_parallel_rank(self._plan.tp, _rank()) if distributed else 0,
                 world_size=data_parallel_degree(self._plan.tp, world_size()) if distributed else 1,
                 batch_first=batch_first,
@@ -291,8 +293,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return DPDataLoader.from_data_loader(
                 data_loader,
-                generator=self.randomness.generator(
-                    "sampler", torch.device("cpu"), distributed=distributed
+                generator=self.randomness.sampler_generator(
+                    data_loader, secure_mode=self.secure_mode, distributed=distributed
                 ),
                 distributed=distributed,
                 batch_first=batch_first,

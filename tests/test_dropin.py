@@ -84,3 +84,35 @@ def test_ghost_tp_is_upstreams_name_for_the_model_apis_ghost_mode(caplog):
     clip_each_sample_step(ref, _loss, x, y, C, 0.5)
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     assert diff < 1e-6, diff
+
+
+def _drawn(mode: str, seed: int, caplog) -> list[list[int]]:
+    """The examples of 4 Poisson steps over ``range(40)`` from a loader with ``generator=``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(40).float().unsqueeze(1), torch.zeros(40, dtype=torch.long))
+    model = nn.Linear(1, 2)
+    loader = DataLoader(data, batch_size=8, generator=torch.Generator().manual_seed(seed))
+    with caplog.at_level("WARNING"):
+        _, _, *rest = PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode=mode,
+        )
+    batches = iter(rest[-1])
+    return [next(batches)[0].squeeze(1).long().tolist() for _ in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_a_data_loader_generator_drives_the_poisson_draw(mode, caplog):
+    """As upstream: the loader's ``generator=`` is the sampler's source (ours, the shared draw in
+    ghost modes; Opacus's loader otherwise), with a warning that the draw is as secret as it."""
+    first = _drawn(mode, 7, caplog)
+    assert any("generator=" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert _drawn(mode, 7, caplog) == first
+    assert _drawn(mode, 8, caplog) != first
+    assert sum(map(len, first)) > 0
