@@ -116,3 +116,37 @@ def test_a_data_loader_generator_drives_the_poisson_draw(mode, caplog):
     assert _drawn(mode, 7, caplog) == first
     assert _drawn(mode, 8, caplog) != first
     assert sum(map(len, first)) > 0
+
+
+def test_load_checkpoint_restores_the_engines_step_count(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_fsdp_sync.sharding import load_checkpoint, save_checkpoint
+
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+    def private():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        engine = PrivacyEngine()
+        made = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode="ghost",
+        )
+        return engine, *made
+
+    engine, gsm, opt, crit, loader = private()
+    for _, (x, y) in zip(range(3), loader):
+        crit(gsm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert engine.optimizer_steps == 3
+    save_checkpoint(str(tmp_path / "ckpt"), gsm, opt, engine=engine)
+    resumed, gsm2, opt2, _, _ = private()
+    load_checkpoint(str(tmp_path / "ckpt"), gsm2, opt2, engine=resumed)
+    assert resumed.optimizer_steps == 3

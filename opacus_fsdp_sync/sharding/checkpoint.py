@@ -56,6 +56,7 @@ def save_checkpoint(
             raise ValueError("save_checkpoint(engine=...) needs the DP optimizer too")
         os.makedirs(path, exist_ok=True)
         dp = state_module.dp_state(engine, optimizer)
+        dp["optimizer_steps"] = engine.optimizer_steps
         torch.save(dp, state_module.dp_state_path(path, dp["rank"]))
 
 
@@ -74,7 +75,8 @@ def load_checkpoint(
         model: The model, or Opacus's wrapper of it.
         optimizer: The (DP) optimizer, or None for the model only.
         engine: Our ``PrivacyEngine`` after ``make_private`` with the saved run's settings: also
-            restores the DP state (accountant, noise generators, sampler).
+            restores the DP state (accountant, noise generators, sampler) and the engine's
+            ``optimizer_steps``.
         fresh_noise: Restore accountant and sampler and restart every noise generator from OS
             entropy: on another layout (world size, API, mesh, placements) instead of refusing,
             or on the saved one when outputs computed after the checkpoint may have been seen
@@ -106,6 +108,8 @@ def load_checkpoint(
     set_state_dict(module, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if dp is not None:
         state_module.restore_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
+        # steps taken before the checkpoint (absent from checkpoints of earlier releases)
+        engine.optimizer_steps = dp.get("optimizer_steps", engine.optimizer_steps)
 
 
 def _read_dp_state(path: str, optimizer) -> dict:
