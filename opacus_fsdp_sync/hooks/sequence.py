@@ -147,7 +147,8 @@ class SequenceLayoutMixin:
             None,
         )
         self._input_tokens = local(first).shape[1] if first is not None else 0
-        if self._sequence_split and self._input_tokens and self.hooks_enabled:
+        hooked = self.hooks_enabled and module.training and torch.is_grad_enabled()
+        if self._sequence_split and self._input_tokens and hooked:
             self._refuse_uneven(self._input_tokens)
 
     def _check_tokens(self, module, args, output) -> None:
