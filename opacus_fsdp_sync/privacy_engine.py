@@ -17,7 +17,7 @@ from opacus.optimizers import DPOptimizer
 
 from .apis.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .apis.plan import per_sample_policy, plan_handoff
-from .apis.registry import detect_api
+from .apis.registry import detect_api, resolve_ghost_mode
 from .backward import GhostStepContext, SyncDPLoss
 from .distributed.detect import _unwrap
 from .distributed.layout import check_layout, check_parallelism, world_size
@@ -33,7 +33,6 @@ from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.linear_grams import describe_block
-from .layers.tied import find_shared_parameters
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
@@ -185,6 +184,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
+            if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
+                mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
+                kwargs["grad_sample_mode"] = mode
             self._plan = self._plan_call(kwargs, opts)
             #: The options the last model made private runs with (engine's and the call's).
             self.last_options = opts
@@ -224,7 +226,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if mode not in (*GHOST_MODES, *OPACUS_MODES):
             raise UnsupportedConfigurationError(
                 f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, GHOST_MODES))} "
-                f"(ghost clipping; 'ghost_fsdp' for FSDP models) or Opacus's "
+                f"(ghost clipping; 'ghost_fsdp' for FSDP and tensor-parallel models, 'ghost_tp' "
+                f"as upstream's name for the latter) or Opacus's "
                 f"{', '.join(map(repr, OPACUS_MODES))}"
             )
         if mode not in GHOST_MODES or "module" not in kwargs:
@@ -284,7 +287,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return SharedPoissonDataLoader.from_data_loader(
                 data_loader,
-                seed=self.randomness.shared_seed("sampler", distributed=distributed),
+                seed=self.randomness.sampler_seed(
+                    data_loader, secure_mode=self.secure_mode, distributed=distributed
+                ),
                 rank=data_parallel_rank(self._plan.tp, _rank()) if distributed else 0,
                 world_size=data_parallel_degree(self._plan.tp, world_size()) if distributed else 1,
                 batch_first=batch_first,
@@ -300,8 +305,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self.dataset = data_loader.dataset
             return DPDataLoader.from_data_loader(
                 data_loader,
-                generator=self.randomness.rank_generator(
-                    "sampler", torch.device("cpu"), rank=_rank() if distributed else 0
+                generator=self.randomness.sampler_generator(
+                    data_loader, secure_mode=self.secure_mode, rank=_rank() if distributed else 0
                 ),
                 distributed=distributed,
                 batch_first=batch_first,
@@ -385,18 +390,18 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         if grad_sample_mode in GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
             self.validate(module=module, optimizer=None, data_loader=None)
-            shared = find_shared_parameters(module)
-            if shared:
-                logger.info(
-                    "[Ghost] shared weights: %s; per-sample norms include their cross terms",
-                    "; ".join(" + ".join(o[0] for o in s.owners) for s in shared),
-                )
-            return ghost_class(grad_sample_mode, wrap_model)(
+            hooks = ghost_class(grad_sample_mode, wrap_model)(
                 module,
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
                 max_grad_norm=max_grad_norm,
             )
+            if hooks.shared_weights:
+                logger.info(
+                    "[Ghost] shared weights: %s; per-sample norms include their cross terms",
+                    "; ".join(" + ".join(o[0] for o in s.owners) for s in hooks.shared_weights),
+                )
+            return hooks
         return super()._prepare_model(
             module,
             batch_first=batch_first,

@@ -11,6 +11,11 @@ derived from that one integer and a purpose name, so two runs with the same ``dp
 same batches and the same noise. The run's privacy then rests on ``dp_seed`` staying secret (it
 is logged as a warning, never its value). Tests and benchmarks use it to compare runs.
 
+A DataLoader passed with its own ``generator=`` keeps upstream's behaviour: that generator seeds
+the Poisson draw (:meth:`DPRandomness.sampler_seed`), with a warning that which examples each
+step drew is then as secret as the generator's state; under ``secure_mode`` it is not used, also
+with a warning.
+
 Seeds that every rank must share (the sampler's, a shared noise draw's) are drawn on rank 0 and
 broadcast; the per-shard noise streams mix rank 0's seed with the shard's coordinate
 (:mod:`.optimizers.fsdp2`).
@@ -36,6 +41,16 @@ REPRODUCIBLE_WARNING = (
     "[Ghost] dp_seed is set: the Poisson draws and the noise of this run are reproducible from "
     "it, and its privacy rests on the seed staying secret. Never publish it, never reuse it for "
     "another run on the same data, and leave it unset (OS entropy) for a release."
+)
+
+LOADER_GENERATOR_WARNING = (
+    "[Ghost] the DataLoader's generator= seeds the Poisson draw (as in Opacus): which examples "
+    "each step drew is as secret as that generator's state. Never publish its seed, and pass no "
+    "generator (OS entropy) for a release."
+)
+LOADER_GENERATOR_SECURE_WARNING = (
+    "[Ghost] the DataLoader's generator= is not used under secure_mode: the Poisson draw comes "
+    "from OS entropy."
 )
 
 
@@ -128,6 +143,43 @@ class DPRandomness:
         """
         seed = self.local_seed(purpose)
         return broadcast_seed(seed, device) if distributed else seed
+
+    def sampler_seed(self, data_loader, *, secure_mode: bool, distributed: bool) -> int:
+        """The Poisson sampler's seed: from the loader's own ``generator=``, else ours.
+
+        A loader built with ``generator=`` gives the seed (one draw from it; rank 0's on every
+        rank), as upstream samples from that generator: logged as a warning. Otherwise, and
+        under ``secure_mode``, :meth:`shared_seed` of ``"sampler"``. Collective when
+        ``distributed``.
+        """
+        given = getattr(data_loader, "generator", None)
+        if given is None:
+            return self.shared_seed("sampler", distributed=distributed)
+        if secure_mode:
+            logger.warning(LOADER_GENERATOR_SECURE_WARNING)
+            return self.shared_seed("sampler", distributed=distributed)
+        logger.warning(LOADER_GENERATOR_WARNING)
+        seed = int(torch.randint(0, 2**62, (1,), generator=given, device=given.device))
+        return broadcast_seed(seed) if distributed else seed
+
+    def sampler_generator(self, data_loader, *, secure_mode: bool, rank: int) -> torch.Generator:
+        """This rank's generator for Opacus's Poisson loader: its own stream, never another's.
+
+        Opacus's distributed sampler draws each rank's mask over its own records from the
+        rank's generator, so every rank needs a stream of its own (:meth:`rank_generator`). A
+        loader built with ``generator=`` seeds it, as upstream samples from that generator
+        (logged as a warning; the same loader generator on every rank still gives each rank its
+        own stream, mixed with ``rank``). Issues no collective.
+        """
+        given = getattr(data_loader, "generator", None)
+        if given is None or secure_mode:
+            if given is not None:
+                logger.warning(LOADER_GENERATOR_SECURE_WARNING)
+            return self.rank_generator("sampler", torch.device("cpu"), rank=rank)
+        logger.warning(LOADER_GENERATOR_WARNING)
+        seed = int(torch.randint(0, 2**62, (1,), generator=given, device=given.device))
+        mixed = splitmix64(seed, _purpose_code("rank:sampler", rank))
+        return torch.Generator().manual_seed(mixed)
 
     def generator(
         self, purpose: str, device: torch.device, *, distributed: bool

@@ -161,7 +161,8 @@ def test_a_one_device_model_on_one_rank_of_a_group_issues_no_collective():
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_draws_its_own_poisson_mask_in_every_mode(world):
     """Each rank's share of a Poisson draw is independent of the others' (DDP, ``hooks``,
-    ``ew`` and ``ghost``, with and without ``dp_seed``).
+    ``ew`` and ``ghost``, with and without ``dp_seed``, and with one DataLoader ``generator=``
+    seeded alike on every rank).
 
     Opacus's distributed sampler gives rank r the records ``perm[r::world]`` and draws a mask
     over them from the rank's generator; one stream shared by the ranks includes the records at

@@ -15,6 +15,7 @@ import torch
 
 from opacus_fsdp_sync.testing import per_sample_clipped_grads, run_ranks
 from tests import workers_tp as wt
+from tests import workers_tp_sp as wsp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -146,12 +147,32 @@ def test_tp_degree_is_validated_and_the_llama_plan_names_what_it_needs():
 
 
 def test_sequence_parallel_layers_without_an_exact_norm_are_refused():
-    for res in run_ranks(wt.sp_refusals, 2, timeout=300):
-        head = res["plain_head"]
-        assert head and "UnsupportedConfigurationError" in head and "Linear" in head, head
-        assert "fewer tokens" in head, head
-        norm = res["layernorm"]
-        assert norm and "LayerNorm" in norm and "SequenceParallel" in norm, norm
+    """Refused in the forward, before any gradient, with the same message on every rank:
+    layers outside the plan fed this rank's tokens as a plain tensor (a Linear, a LayerNorm), a
+    LayerNorm under SequenceParallel, and a sequence length the tp degree does not divide."""
+    results = run_ranks(wsp.sp_refusals, 2, timeout=300)
+    for res in results:
+        for case, refusal in res.items():
+            assert refusal and "UnsupportedConfigurationError" in refusal["message"], (case, res)
+            assert refusal["phase"] == "forward" and not refusal["graded"], (case, refusal)
+        head = res["plain_head"]["message"]
+        assert "Linear" in head and "fewer tokens" in head, head
+        norm = res["layernorm"]["message"]
+        assert "LayerNorm" in norm and "SequenceParallel" in norm, norm
+        plain = res["plain_layernorm"]["message"]
+        assert "'norm' (LayerNorm)" in plain and "fewer tokens" in plain, plain
+        uneven = res["uneven"]["message"]
+        assert "3 tokens" in uneven and "tp degree 2" in uneven, uneven
+        assert res["uneven_later"]["message"] == uneven
+    assert results[0] == results[1]
+
+
+def test_ghost_tp_runs_the_tensor_parallel_path():
+    """Upstream's ``grad_sample_mode="ghost_tp"`` on a sequence-parallel TP model: the
+    tensor-parallel path, exact against the loop after one step."""
+    for res in run_ranks(wsp.ghost_tp, 2, timeout=300):
+        assert res["api"] == "tp" and 0 < res["clipped"] < 4, res
+        assert res["diff"] < 1e-6, res
 
 
 def test_cases_a_review_found():

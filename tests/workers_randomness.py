@@ -139,34 +139,37 @@ def one_device_on_rank0(rank: int, world: int) -> dict:
 
 
 def rank_masks(rank: int, world: int, n: int, batch: int, draws: int) -> dict:
-    """Each mode's Poisson draws on DDP, without and with ``dp_seed``: this rank's share of
-    ``draws`` consecutive draws (the records' indices; x[:, 0] is the index), nothing trained."""
+    """Each mode's Poisson draws on DDP, without and with ``dp_seed``, and with a DataLoader
+    ``generator=`` seeded alike on every rank: this rank's share of ``draws`` consecutive draws
+    (the records' indices; x[:, 0] is the index), nothing trained."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     x = torch.zeros(n, 32)
     x[:, 0] = torch.arange(n, dtype=torch.float)
     data = TensorDataset(x, torch.zeros(n, dtype=torch.long))
     out = {}
-    for mode in ("hooks", "ew", "ghost"):
-        for dp_seed in (None, 7):
-            model = DDP(_base())
-            engine = PrivacyEngine(dp_seed=dp_seed)
-            *_, loader = engine.make_private(
-                module=model,
-                optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                criterion=nn.CrossEntropyLoss(),
-                data_loader=DataLoader(data, batch_size=batch),
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-                grad_sample_mode=mode,
-            )
-            shares = []
-            while len(shares) < draws:
-                for xb, _ in loader:
-                    shares.append(sorted(xb[:, 0].long().tolist()))
-                    if len(shares) == draws:
-                        break
-            out[(mode, dp_seed)] = shares
+    cases = [(mode, dp_seed, None) for mode in ("hooks", "ew", "ghost") for dp_seed in (None, 7)]
+    cases += [("hooks", None, 5), ("ghost", None, 5)]  # the same loader generator= on each rank
+    for mode, dp_seed, loader_seed in cases:
+        model = DDP(_base())
+        engine = PrivacyEngine(dp_seed=dp_seed)
+        given = None if loader_seed is None else torch.Generator().manual_seed(loader_seed)
+        *_, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(data, batch_size=batch, generator=given),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode=mode,
+        )
+        shares = []
+        while len(shares) < draws:
+            for xb, _ in loader:
+                shares.append(sorted(xb[:, 0].long().tolist()))
+                if len(shares) == draws:
+                    break
+        out[(mode, dp_seed, loader_seed)] = shares
     return out
 
 

@@ -280,41 +280,6 @@ def llama_tp(rank: int, world: int) -> dict:
     }
 
 
-def sp_refusals(rank: int, world: int) -> dict:
-    """What sequence parallelism refuses, on TP alone: the refusal message of each case.
-
-    ``plain_head``: ``l3`` left out of the plan, fed this rank's tokens as a plain tensor;
-    ``layernorm``: ``SequenceParallel`` on an ``nn.LayerNorm`` (Opacus's norm, not summed over
-    tp). Poisson sampling is off: one fixed batch is enough to reach the refusal.
-    """
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    from tests.private import make_private
-
-    out = {}
-    for case in ("plain_head", "layernorm"):
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        model = base("sp")
-        plan = sp_plan()
-        if case == "plain_head":
-            del plan["l3"]
-        else:
-            model.norm = nn.LayerNorm(D)
-            plan["norm"] = SequenceParallel()
-        parallelize_module(model, mesh, plan)
-        x, y = dataset().tensors
-        gsm, opt, crit, _ = make_private(
-            PrivacyEngine(), model, (x[:4], y[:4]), 4, 1.0, "ghost_fsdp", lr=LR
-        )
-        try:
-            crit(gsm(x[:4]), y[:4]).backward()
-        except Exception as err:  # noqa: BLE001 - the message is what the test checks
-            out[case] = f"{type(err).__name__}: {err}"
-        else:
-            out[case] = None
-    return out
-
-
 def review_cases(rank: int, world: int) -> dict:
     """Cases a review found, on 2 ranks (dp 1 x tp 2 under fully_shard, or TP alone).
 

@@ -34,6 +34,10 @@ SINGLE, DDP, FSDP1, FSDP2, TP = None, "ddp", "fsdp1", "fsdp2", "tp"
 GHOST_MODES = ("ghost", "ghost_fsdp")
 #: Opacus's other modes (its own per-sample gradient paths, passed through unchanged).
 OPACUS_MODES = ("hooks", "functorch", "ew", "no_op")
+#: Upstream's other names for ghost clipping: each runs the ghost mode of the model's API (its
+#: record's first ``ghost_modes``). ``ghost_tp`` is Opacus 1.6's tensor-parallel class; here
+#: the tensor-parallel path is taken from the model's layout, whatever the mode's name.
+GHOST_ALIASES = ("ghost_tp",)
 
 
 @runtime_checkable

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..distributed.detect import _get_fsdp_root_module
 from . import ddp, fsdp1, fsdp2, single, tp
-from .api import ApiRecord
+from .api import GHOST_ALIASES, ApiRecord
+
+logger = logging.getLogger("opacus_fsdp_sync")
 
 #: Every API's record, by name (None: single device). A new API adds its module's record here.
 RECORDS: dict[str | None, ApiRecord] = {
@@ -43,3 +46,17 @@ def detect_api(module: object) -> Detected:
     """The record of the API that wraps ``module`` (a model, or Opacus's wrapper of one)."""
     root = _get_fsdp_root_module(module)
     return Detected(record_for(root.api), root.modules)
+
+
+def resolve_ghost_mode(mode: str, module: object) -> str:
+    """The ``grad_sample_mode`` this package runs for ``mode`` on ``module``.
+
+    An alias of :data:`~.api.GHOST_ALIASES` (``ghost_tp``) becomes the ghost mode of the
+    model's API (``ghost`` on one device and DDP, ``ghost_fsdp`` under FSDP and tensor
+    parallelism); any other mode is returned unchanged.
+    """
+    if mode not in GHOST_ALIASES:
+        return mode
+    resolved = detect_api(module).record.capabilities.ghost_modes[0]
+    logger.info("[Ghost] grad_sample_mode=%r runs as %r on this model", mode, resolved)
+    return resolved

@@ -316,9 +316,8 @@ def sequence_group(t):
 def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     """The full sequence of a tensor sharded over ``group`` along dim 1 (rank order).
 
-    Raises:
-        UnsupportedConfigurationError: for uneven shards (a sequence length the tp degree does
-            not divide).
+    Even shards only: the hooks refuse a sequence length the tp degree does not divide in the
+    forward, on every tp rank, before any gather (:mod:`...hooks.sequence`).
     """
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)

@@ -6,7 +6,7 @@ RMSNorm norm where autograd agrees with it, Gram-matrix ``Linear`` norms with ``
 around Opacus's hooks: shared-weight cross terms (:mod:`.tied`), activations-only first-pass
 sources and the missed-hook check (:mod:`.first_pass`), norms that belong to one backward, a
 layer that did not run counting as zero (:mod:`.step_norms`), recorded calls for exact replays of
-the layers no room claims (:mod:`.replay`).
+the layers no room claims (:mod:`.replay`), what sequence parallelism refuses (:mod:`.sequence`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from .._torch_compat import in_backward
 from ..distributed.tensor_parallel import (
     gather_sequence,
     local,
+    on_tp_mesh,
     own_output_features,
-    sequence_group,
 )
 from ..errors import UnsupportedConfigurationError
 from ..layers import norm_samplers
@@ -38,11 +38,12 @@ from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_s
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
 from .replay import ReplayMixin
+from .sequence import SequenceLayoutMixin
 from .step_norms import StepNormsMixin
 from .tied import TiedNormMixin
 
 
-class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
+class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, SequenceLayoutMixin):
     """Mixins first (they wrap Opacus's hooks), then the upstream class."""
 
     #: The layers Opacus hooked, found at wrap time (None while Opacus's ``__init__`` runs).
@@ -64,6 +65,8 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = frozenset(id(m) for m in self._hooked)
         self._init_step_norms(self._hooked)
+        tp_device = next((p.device for p in m.parameters() if on_tp_mesh(p)), None)
+        self._init_sequence_check(tp_device)
         fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
         self._init_replay([] if fsdp else self._hooked, self._get_type)
         #: Set by :meth:`use_fast_norms`: Gram matrices shared between Linear layers.
@@ -198,7 +201,7 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
             and torch.is_grad_enabled()
             and not in_backward()
         ):
-            self._note_tokens(module, forward_input[0])
+            self._note_tokens(module, forward_input[0], forward_output)
         if any(isinstance(t, DTensor) for t in forward_input):
             if self._tp_group is None:  # DTensors without a tp layout: refuse, never guess
                 raise UnsupportedConfigurationError(
@@ -243,67 +246,6 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin):
                 "clipping needs one call per layer per forward."
             )
         return None
-
-    def _sequence_layer(self, module: nn.Module) -> bool:
-        """Whether dim 1 of the layer's input is the sequence: Linear and RMSNorm-like layers.
-
-        (A convolution's dim 1 is its channels: the token checks and gathers leave it alone.)
-        """
-        kind = self._get_type(module)
-        sampler = self.NORM_SAMPLERS.get(kind)
-        return issubclass(kind, nn.Linear) or getattr(sampler, "sums_sequence_shards", False)
-
-    def _note_tokens(self, module: nn.Module, first) -> None:
-        """Tensor parallelism: each layer's tokens this forward, and whether TP laid them out.
-
-        Under sequence parallelism a layer outside the tp plan that is fed this rank's tokens
-        as a plain tensor would report the norm of a partial gradient as its own:
-        :meth:`check_sequence_layout` refuses it.
-        """
-        if isinstance(first, torch.Tensor) and first.dim() > 2 and self._sequence_layer(module):
-            tokens = local(first).shape[1]
-            self._tp_step_tokens[module] = (tokens, isinstance(first, DTensor))
-            module._tp_tokens = tokens
-
-    def check_sequence_layout(self) -> None:
-        """Raises if a layer outside the tp plan ran on fewer tokens than the others.
-
-        Raises:
-            UnsupportedConfigurationError: naming the layers (sequence parallelism needs every
-                trainable layer past the sequence split in the tp plan: tensor-parallel
-                ``Linear`` layers or ``SequenceParallel`` RMSNorm layers).
-        """
-        seen, self._tp_step_tokens = self._tp_step_tokens, {}
-        if not seen:
-            return
-        full = max(t for t, _ in seen.values())
-        short = [type(m).__name__ for m, (t, laid_out) in seen.items() if t < full and not laid_out]
-        if short:
-            raise UnsupportedConfigurationError(
-                f"{', '.join(sorted(set(short)))} ran on a plain tensor of fewer tokens than the "
-                f"sequence ({full}): under sequence parallelism their per-sample gradients are "
-                "this rank's part only. Put them in the tp plan (ColwiseParallel/"
-                "RowwiseParallel for Linear, SequenceParallel for RMSNorm) or feed them the "
-                "whole sequence (e.g. ColwiseParallel(input_layouts=Shard(1)))."
-            )
-
-    def _note_tp_input(self, module: nn.Module, forward_input) -> None:
-        """Records a tensor-parallel layer's tokens, and a sequence-sharded input's tp group.
-
-        A layer whose input is split over tp along the tokens (sequence parallelism) computes
-        partial per-sample gradients: its room sums them over ``module._tp_sequence_group``
-        before the norm (:func:`..distributed.tensor_parallel.sum_sequence_shards`).
-        """
-        first = forward_input[0]
-        group = sequence_group(first)
-        sampler = self.NORM_SAMPLERS.get(self._get_type(module))
-        if group is not None and not getattr(sampler, "sums_sequence_shards", False):
-            raise UnsupportedConfigurationError(
-                f"{type(module).__name__} runs on sequence shards (sequence parallelism) and its "
-                "per-sample norm does not sum them over tp: under SequenceParallel only "
-                "RMSNorm-like layers (Hugging Face's LlamaRMSNorm and its copies) are supported."
-            )
-        module._tp_sequence_group = group
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Local output gradients; those split over tp along the tokens gathered first.

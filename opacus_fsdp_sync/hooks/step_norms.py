@@ -65,8 +65,6 @@ class StepNormsMixin:
         self._tp_sum = None
         #: The tp process group (tensor parallelism), else None.
         self._tp_group = None
-        #: Tokens each layer saw in this forward, under tensor parallelism (see the hooks).
-        self._tp_step_tokens: dict = {}
         if not on_tp:
             return
         for m in hooked:
@@ -106,7 +104,6 @@ class StepNormsMixin:
         """
         norms = self._reported_norms()
         if norms and self._tp_sum is not None:  # tensor parallelism: shards' squares over tp
-            self.check_sequence_layout()
             norm = self._tp_sum(self._reported_norms(True), self._reported_norms(False))
             self.per_sample_gradient_norms = norm
             return norm
@@ -119,9 +116,6 @@ class StepNormsMixin:
         norm = torch.stack([ns.to(device) for ns in norms], dim=0).norm(2, dim=0)
         self.per_sample_gradient_norms = norm
         return norm
-
-    def check_sequence_layout(self) -> None:
-        """Nothing here; the hooks check the layers' tokens under tensor parallelism."""
 
     def _reported_tp_norms(self, partial: bool) -> list[torch.Tensor]:
         if not self._norms_per_module:

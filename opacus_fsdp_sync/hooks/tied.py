@@ -16,6 +16,7 @@ import torch
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleHooksFastGradientClippingFSDP,
 )
+from opacus.layers import DPGRU, DPLSTM, DPRNN
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
@@ -28,7 +29,13 @@ class TiedNormMixin:
     """Adds exact shared-weight norms to an Opacus ghost-clipping hooks class."""
 
     def _init_tied(self) -> None:
-        self._tied = find_shared_parameters(self._module)
+        # the layers Opacus hooks: its RNN containers only re-expose their cells' weights
+        hooked = frozenset(
+            id(m)
+            for m in self.iterate_submodules(self._module)
+            if type(m) not in (DPRNN, DPLSTM, DPGRU)
+        )
+        self._tied = find_shared_parameters(self._module, hooked)
         check_supported(self._tied, self.NORM_SAMPLERS, self._get_type)
         # module -> [(shared weight, its attribute name on that module)]
         self._tied_by_module: dict[nn.Module, list[tuple[SharedParameter, str]]] = {}
@@ -42,6 +49,11 @@ class TiedNormMixin:
         self.tied_timer = None
         self._tied_room = room_named("tied")
         self._tied_fired: dict[int, list] = {}
+
+    @property
+    def shared_weights(self) -> list[SharedParameter]:
+        """The weights several hooked layers use (aliases of one layer's weight left out)."""
+        return self._tied
 
     def _get_type(self, module: nn.Module) -> type:
         """The layer type Opacus sees (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""

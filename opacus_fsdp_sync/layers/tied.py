@@ -177,11 +177,24 @@ class SharedParameter:
         return self.owners[0][0]
 
 
-def find_shared_parameters(model: nn.Module) -> list[SharedParameter]:
+def find_shared_parameters(
+    model: nn.Module, hooked: frozenset[int] | None = None
+) -> list[SharedParameter]:
     """Trainable parameters registered on more than one module (the same ``Parameter`` object).
 
     A module registered twice under two names appears once in ``named_modules()``; calling one
     module twice per forward is caught at run time instead.
+
+    Args:
+        model: The model.
+        hooked: ``id`` of every module the norm hooks see, or None for every registration (what
+            sharding must keep in one unit). Given, a registration on a module that is not
+            hooked and is an ancestor of another owner is an alias, not a use: Opacus's
+            ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` re-expose their ``RNNLinear`` cells' weights under
+            ``nn.LSTM``'s names, and only the cells compute with them (and are hooked).
+
+    Returns:
+        Each weight with more than one use, and its uses.
     """
     by_id: dict[int, SharedParameter] = {}
     for mname, module in model.named_modules():
@@ -189,7 +202,21 @@ def find_shared_parameters(model: nn.Module) -> list[SharedParameter]:
             if p.requires_grad:
                 entry = by_id.setdefault(id(p), SharedParameter(p))
                 entry.owners.append((f"{mname}.{pname}" if mname else pname, module, pname))
-    return [s for s in by_id.values() if len(s.owners) > 1]
+    shared = [s for s in by_id.values() if len(s.owners) > 1]
+    if hooked is not None:
+        for s in shared:
+            s.owners = [o for o in s.owners if not _alias(o, s.owners, hooked)]
+        shared = [s for s in shared if len(s.owners) > 1]
+    return shared
+
+
+def _alias(owner: tuple, owners: list[tuple], hooked: frozenset[int]) -> bool:
+    """Whether an owner only re-exposes a descendant owner's parameter (see above)."""
+    module = owner[1]
+    if id(module) in hooked:
+        return False
+    below = {id(m) for m in module.modules() if m is not module}
+    return any(id(other) in below for _, other, _ in owners)
 
 
 def check_supported(shared: list[SharedParameter], norm_samplers: dict, type_of=type) -> None:

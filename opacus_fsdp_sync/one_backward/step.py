@@ -31,7 +31,8 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
 
     Returns:
-        ``{(id(module), name): (module, name, gradient)}``; the caller sums shared weights.
+        ``{(id(module), name): (module, name, gradient)}``, summed over a layer's calls; the
+        caller sums shared weights.
 
     Each layer's gradient is its room's :meth:`~..layers.registry.LayerRoom.clipped_grad`
     (:func:`..layers.room_for`).
@@ -47,7 +48,7 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
             first = next(iter(grad_out.values()))
             scale = coef.to(device=first.device, dtype=torch.float32)
             for name, g in clipped_sum(grad_out, scale).items():
-                out[(id(module), name)] = (module, name, g)
+                _add(out, module, name, g)
             continue
         n = grad_out.shape[0]
         key = (grad_out.device, n)
@@ -70,8 +71,21 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:
-                out[(id(module), name)] = (module, name, g)
+                _add(out, module, name, g)
     return out
+
+
+def _add(out: dict, module: nn.Module, name: str, g: torch.Tensor) -> None:
+    """Adds one call's clipped gradient to ``out``.
+
+    A layer called several times in a forward (Opacus's ``RNNLinear`` cells, once per time step)
+    keeps one entry per call, and its clipped gradient is their sum (the coefficients are per
+    sample, the sum over calls is linear).
+    """
+    key = (id(module), name)
+    if key in out:
+        g = out[key][2] + g
+    out[key] = (module, name, g)
 
 
 def by_parameter(grads: dict) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:

@@ -57,6 +57,7 @@ def save_checkpoint(
         os.makedirs(path, exist_ok=True)
         state_module.start_ledger(engine, path)
         dp = state_module.dp_state(engine, optimizer)
+        dp["optimizer_steps"] = engine.optimizer_steps
         torch.save(dp, state_module.dp_state_path(path, dp["rank"]))
 
 
@@ -76,7 +77,8 @@ def load_checkpoint(
         model: The model, or Opacus's wrapper of it.
         optimizer: The (DP) optimizer, or None for the model only.
         engine: Our ``PrivacyEngine`` after ``make_private`` with the saved run's settings: also
-            restores the DP state (accountant, noise generators, sampler).
+            restores the DP state (accountant, noise generators, sampler) and the engine's
+            ``optimizer_steps``.
         fresh_noise: Restore accountant and sampler and restart every noise generator from OS
             entropy: on another layout (world size, API, mesh, placements) instead of refusing,
             or on the saved one when outputs computed after the checkpoint may have been seen
@@ -125,6 +127,8 @@ def load_checkpoint(
             resume_at=resume_at,
             ledger=state_module.ledger_file(dp, path),
         )
+        # steps taken before the checkpoint (absent from checkpoints of earlier releases)
+        engine.optimizer_steps = dp.get("optimizer_steps", engine.optimizer_steps)
 
 
 def _read_dp_state(path: str, optimizer) -> dict:
