@@ -17,6 +17,7 @@ from opacus.utils.module_utils import requires_grad
 from torch import nn
 
 from .._torch_compat import in_backward
+from ..profiling.phases import phase
 from .kept import output_meta
 
 
@@ -95,7 +96,9 @@ class PassTrackingMixin:
                 entry = (module, module.activations[-1], forward_output[0].detach())
         timer = self._norm_timer if self.hooks_enabled else None
         timed = timer.phase("norms") if timer is not None else contextlib.nullcontext()
-        with timed:
+        # announced for observers (op and FLOP counters) whether or not it is timed
+        announced = phase("norms") if self.hooks_enabled else contextlib.nullcontext()
+        with announced, timed:
             result = super().capture_backprops_hook(
                 module, forward_input, forward_output, *args, **kwargs
             )
