@@ -255,12 +255,13 @@ def test_candidates_follow_the_options():
 
 def test_a_candidate_over_the_memory_budget_is_never_timed_nor_chosen(setup, caplog):
     """Full Grams are the fastest by the injected costs but over the budget (their working set,
-    12 N T^2 bytes in fp32, is twice the 4-token blocks' here): skipped, logged, not timed."""
+    8 N T^2 bytes in fp32 for the two Grams, is about twice the 4-token blocks' here): skipped,
+    logged, not timed."""
     layer = torch.nn.Linear(16, 12)
     a, g = torch.randn(2, 10, 16), torch.randn(2, 10, 12)
     full = LinearRoom.working_set(layer, a, g, Candidate(0), with_weight_grad=False)
     blocked = LinearRoom.working_set(layer, a, g, Candidate(4), with_weight_grad=False)
-    assert full == 12 * 2 * 10 * 10 and blocked < full
+    assert full == 8 * 2 * 10 * 10 and blocked < full
     timed = []
 
     def cost(key, cand):
@@ -304,3 +305,40 @@ def test_two_ranks_agree_on_rank0_plan_with_different_batch_sizes():
     assert r0["taken"] == [2, 2, 2] and r1["taken"] == [0, 2, 2]  # rank 1: static rules at first
     assert r0["on_vs_off"] <= 1e-6 and r1["on_vs_off"] <= 1e-6
     assert r0["moved"] > 1e-3
+
+
+def test_a_poisson_run_times_each_shape_once(setup):
+    """Under Poisson sampling the batch size changes every step; the key leaves it out, so each
+    layer shape (and length) is timed once, in the first step, whatever the later batches."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    base, x, y, C = setup
+    model = copy.deepcopy(base)
+    engine = PrivacyEngine(tune_norms=True)
+    gsm, opt, crit, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        criterion=torch.nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+        noise_multiplier=0.0,
+        max_grad_norm=C,
+        poisson_sampling=True,
+        grad_sample_mode="ghost",
+    )
+    tuner = gsm.norm_tuner
+    timed: dict = {}
+
+    def counting(key, cand):
+        timed[(key, cand)] = timed.get((key, cand), 0) + 1
+        return _injected(key, cand)
+
+    tuner.blocks, tuner.cost_fn = (4,), counting
+    sizes = []
+    for _ in range(3):  # epochs of the Poisson loader
+        for xs, ys in loader:
+            sizes.append(xs.shape[0])
+            if xs.shape[0]:
+                _step(gsm, opt, crit, xs, ys)
+    assert len(set(sizes)) >= 2  # the batch size did vary
+    assert len(tuner.tuned) == len(set(tuner.tuned)) == 5  # one entry per layer shape
+    assert timed and max(timed.values()) == 1  # every candidate of every key timed once

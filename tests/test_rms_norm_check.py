@@ -78,10 +78,13 @@ def _diff(a, b):
 
 @pytest.fixture()
 def counted(monkeypatch):
-    """Counts calls of the direct norm and of the direct one-backward gradient."""
+    """Counts calls of the direct norm and of the direct one-backward gradient: the room's
+    formula, or the weighted sum of the per-sample gradients its norm kept (``(N, H)``)."""
+    from opacus_fsdp_sync.one_backward import step
+
     calls = {"norm": 0, "grad": 0}
     room = room_named("rms_norm")
-    norm, grad = room.norm, room.clipped_grad
+    norm, grad, weighted = room.norm, room.clipped_grad, step.clipped_sum
 
     def counting_norm(*args):
         calls["norm"] += 1
@@ -91,6 +94,11 @@ def counted(monkeypatch):
         calls["grad"] += 1
         return grad(*args)
 
+    def counting_sum(psgs, scale):
+        calls["grad"] += sum(1 for t in psgs.values() if t.dim() == 2)
+        return weighted(psgs, scale)
+
+    monkeypatch.setattr(step, "clipped_sum", counting_sum)
     monkeypatch.setattr(rms_norm, "_VERDICTS", {}, raising=False)  # each test checks afresh
     monkeypatch.setattr(room, "norm", counting_norm)
     monkeypatch.setattr(room, "clipped_grad", counting_grad)

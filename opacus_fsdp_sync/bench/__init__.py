@@ -4,6 +4,10 @@
   comparison suite (CLI ``opacus-fsdp-sync-compare``).
 - :mod:`opacus_fsdp_sync.bench.modes`: the profiling suite's modes, read by the harness under
   ``memory_test/fsdp_llama3_profiling/`` and by the tests.
+- :mod:`opacus_fsdp_sync.bench.ledger`: the op ledger, one private step against one
+  non-private step phase by phase (ops, bytes, FLOPs, live bytes; CLI
+  ``python -m opacus_fsdp_sync.bench.ledger``), counted by :mod:`.op_ledger`, reported by
+  :mod:`.ledger_report`.
 - :mod:`opacus_fsdp_sync.bench.throughput`: the suite's cost per example and tokens per second
   over the measured steps, by which its tables and plots compare modes.
 

@@ -17,6 +17,8 @@ from opacus.utils.module_utils import requires_grad
 from torch import nn
 
 from .._torch_compat import in_backward
+from ..layers.registry import take_per_sample
+from ..profiling.phases import phase
 from .kept import output_meta
 
 
@@ -95,11 +97,15 @@ class PassTrackingMixin:
                 entry = (module, module.activations[-1], forward_output[0].detach())
         timer = self._norm_timer if self.hooks_enabled else None
         timed = timer.phase("norms") if timer is not None else contextlib.nullcontext()
-        with timed:
+        # announced for observers (op and FLOP counters) whether or not it is timed
+        announced = phase("norms") if self.hooks_enabled else contextlib.nullcontext()
+        with announced, timed:
             result = super().capture_backprops_hook(
                 module, forward_input, forward_output, *args, **kwargs
             )
         psgs = policy.stash.pop(id(module), None) if policy is not None else None
+        kept = take_per_sample(module)  # always taken: a two-pass step drops them here
+        psgs = kept if psgs is None else psgs
         if entry is not None:
             # Per-sample gradients replace the inputs and output gradient (see one_backward).
             self._kept.append(entry if psgs is None else (module, None, psgs))

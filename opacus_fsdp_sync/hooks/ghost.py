@@ -269,7 +269,42 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
                 )
         if self._tp_group is not None and grads and grads[0] is not None:
             grads = (own_output_features(module, grads[0]), *grads[1:])
-        return super().capture_backprops_hook(module, forward_input, grads, *args, **kwargs)
+        result = super().capture_backprops_hook(module, forward_input, grads, *args, **kwargs)
+        self._scale_reported_norms(module)
+        return result
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Upstream's, leaving a ghost-normed layer's output gradient unscaled.
+
+        Upstream multiplies every output gradient by the batch size for a mean loss (a pass over
+        each, the head's ``N x T x V`` included). The norms are linear in it, so a layer with a
+        norm sampler gets the raw gradient and its norms are scaled afterwards
+        (:meth:`_scale_reported_norms`); per-sample gradients it stashes are scaled with the
+        clipping coefficients (:func:`..one_backward.clipped_gradients`).
+        """
+        lazy = self._get_type(module) in self.NORM_SAMPLERS and loss_reduction == "mean"
+        out = super().rearrange_grad_samples(
+            module=module,
+            backprops=backprops,
+            loss_reduction="sum" if lazy else loss_reduction,
+            batch_first=batch_first,
+        )
+        if lazy:
+            module._ghost_backprop_scale = module.max_batch_len
+        return out
+
+    def _scale_reported_norms(self, module: nn.Module) -> None:
+        """Multiplies the norms ``module`` just reported by its output gradient's scale."""
+        scale = module.__dict__.pop("_ghost_backprop_scale", 1)
+        if scale == 1:
+            return
+        if self._norms_per_module:
+            norms = getattr(module, "norm_sample", None) or []
+            module.norm_sample = [None if ns is None else ns * scale for ns in norms]
+            return
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and getattr(p, "_norm_sample", None) is not None:
+                p._norm_sample = p._norm_sample * scale
 
 
 class GhostGradSampleModule(_Ours, GradSampleModuleFastGradientClipping):

@@ -108,12 +108,14 @@ class TiedNormMixin:
         norms = self.NORM_SAMPLERS[self._get_type(module)](module, activations, backprops)
         norms = {p: ns for p, ns in norms.items() if p.requires_grad}
         shared_now = set()
+        # the output gradient as the norms saw it, unscaled (see rearrange_grad_samples)
+        scale = float(getattr(module, "_ghost_backprop_scale", 1))
         timed = self.tied_timer.phase("tied_norm") if self.tied_timer else contextlib.nullcontext()
         with timed:
             for s, local in self._tied_by_module[module]:
                 current = getattr(module, local)  # under FSDP2: the unsharded parameter
                 shared_now.add(id(current))
-                self._add_use(s, module, activations[0], backprops, norms[current])
+                self._add_use(s, module, activations[0], backprops, norms[current], scale)
         own = {p: (torch.zeros_like(ns) if id(p) in shared_now else ns) for p, ns in norms.items()}
         self._store_own_norms(module, own)
         if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
@@ -135,14 +137,20 @@ class TiedNormMixin:
     def _owners_of(self, p: nn.Parameter) -> list:
         return next(s.owners for s in self._tied if s.param is p)
 
-    def _add_use(self, s: SharedParameter, module, inputs, grads, own_norm) -> None:
+    def _add_use(self, s: SharedParameter, module, inputs, grads, own_norm, scale=1.0) -> None:
+        """Adds one use's squared norm and its cross terms with the uses seen before it.
+
+        ``grads`` and ``own_norm`` belong to the output gradient divided by ``scale`` (the
+        same for every use: the batch size of a mean loss, or 1).
+        """
         if self._tied_sq is None:
             self._tied_sq = torch.zeros(own_norm.shape[0], device=own_norm.device)
-        self._tied_sq += own_norm.float() ** 2
+        sq = scale * scale
+        self._tied_sq += sq * own_norm.float() ** 2
         fired = self._tied_fired.setdefault(id(s.param), [])
         use = self._tied_room.Use(module, inputs.detach(), grads.detach())
         for earlier in fired:
-            self._tied_sq += 2.0 * self._tied_room.norm(earlier, use)
+            self._tied_sq += (2.0 * sq) * self._tied_room.norm(earlier, use)
         fired.append(use)
         if len(fired) == len(s.owners):
             del self._tied_fired[id(s.param)]

@@ -15,7 +15,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from torch import nn
 
-from .registry import LayerRoom, Unavailable, register_layer
+from .registry import LayerRoom, Unavailable, register_layer, scale_rows
 
 _UPSTREAM_EMBEDDING_NORM = GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Embedding]
 
@@ -46,11 +46,11 @@ class EmbeddingRoom(LayerRoom):
         "computed from the token ids and output gradient instead",
     )
 
-    def clipped_grad(self, layer, inputs, grad_out):
+    def clipped_grad(self, layer, inputs, grad_out, scale):
         """``embedding_dense_backward`` of the scaled output gradient (padding rows get none)."""
         ids = inputs[0]
         pad = -1 if layer.padding_idx is None else layer.padding_idx
         grad = torch.ops.aten.embedding_dense_backward(
-            grad_out, ids, layer.num_embeddings, pad, layer.scale_grad_by_freq
+            scale_rows(grad_out, scale), ids, layer.num_embeddings, pad, layer.scale_grad_by_freq
         )
         return {"weight": grad}

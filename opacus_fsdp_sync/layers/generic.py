@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .registry import LayerRoom, register_layer
+from .registry import LayerRoom, register_layer, scale_rows
 
 #: Bytes of batched output gradients formed at once for per-sample gradients.
 BATCHED_VJP_BYTES = 256 * 2**20
@@ -184,7 +184,7 @@ class GenericRoom(LayerRoom):
         call = activations.call if isinstance(activations, ReplayInputs) else None
         return per_sample_grads(layer, activations, call, backprops, params)
 
-    def clipped_grad(self, layer, inputs, grad_out):
+    def clipped_grad(self, layer, inputs, grad_out, scale):
         """Replays the recorded forward on the kept inputs, differentiates w.r.t. the parameters.
 
         The replay (:func:`replay`) runs with the call's keyword arguments and RNG state (the
@@ -196,6 +196,6 @@ class GenericRoom(LayerRoom):
         out = replay(layer, inputs, inputs.call if isinstance(inputs, ReplayInputs) else None)
         with torch.enable_grad():
             grads = torch.autograd.grad(
-                out, [params[n] for n in names], grad_out, allow_unused=True
+                out, [params[n] for n in names], scale_rows(grad_out, scale), allow_unused=True
             )
         return {n: g for n, g in zip(names, grads) if g is not None}

@@ -18,7 +18,8 @@ T = 1024). Here:
 - the input Gram ``A_n A_n^T`` is computed once per backward for all layers that read the same
   tensor (``q``/``k``/``v`` and ``gate``/``up`` in a Llama block): the forward hook counts the
   readers, the backward releases the Gram after the last one;
-- the contraction is an elementwise product and a sum accumulated in fp32 (fp64 for fp64);
+- the Grams are held in fp32 (fp64 for fp64) and contracted by batched dot products, without
+  writing their elementwise product;
 - with ``gram_block`` (see :mod:`.linear_grams`), only the upper block triangle of each symmetric
   Gram is computed, up to about half the Gram FLOPs saved.
 
@@ -40,7 +41,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from torch import nn
 
 from .linear_grams import contract_output_grams, resolve_block, row_blocks, upper_gram, widen
-from .registry import LayerRoom, register_layer
+from .registry import LayerRoom, register_layer, scale_rows
 
 
 def _plain(*tensors: torch.Tensor) -> bool:
@@ -232,6 +233,37 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def linear_clipped_grad(
+    layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, scale: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``sum_n scale_n G_n^T A_n`` (and the bias's ``sum_n scale_n sum_t g_t``) in ``g``'s dtype.
+
+    One matmul over every token. The per-sample factors scale the narrower of the two operands
+    (the input for a wide head, the output gradient for a down projection), folded into the cast
+    of the input to ``g``'s dtype where the input is scaled.
+
+    Args:
+        layer: The layer.
+        a: Its input ``(N, ..., d_in)``.
+        g: Its output gradient ``(N, ..., d_out)``, unscaled.
+        scale: ``(N,)`` fp32 per-sample factors.
+    """
+    bias = layer.bias is not None
+    if a.shape[-1] < g.shape[-1]:
+        a = scale_rows(a, scale, g.dtype)
+        out = {"weight": _flat(g).t() @ _flat(a)}
+        if bias:  # per sample, then weighted: never the whole scaled gradient
+            wide = torch.promote_types(g.dtype, torch.float32)
+            per = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1, dtype=wide)
+            out["bias"] = (per * scale.to(wide).view(-1, 1)).sum(0).to(g.dtype)
+        return out
+    g = scale_rows(g, scale)
+    out = {"weight": _flat(g).t() @ _flat(a).to(g.dtype)}
+    if bias:
+        out["bias"] = _flat(g).sum(0)
+    return out
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One exact norm strategy: per-sample gradients, or Grams in row blocks (0: full Grams)."""
@@ -264,14 +296,9 @@ class LinearRoom(LayerRoom):
         g = backprops.reshape(a.shape[0], a.shape[1], backprops.shape[-1])
         return linear_per_sample_grads(layer, a, g)
 
-    def clipped_grad(self, layer, inputs, grad_out):
-        """One matmul of the scaled output gradient and the input, over every token."""
-        a = _flat(inputs[0]).to(grad_out.dtype)
-        g = _flat(grad_out)
-        out = {"weight": g.t() @ a}
-        if layer.bias is not None:
-            out["bias"] = g.sum(0)
-        return out
+    def clipped_grad(self, layer, inputs, grad_out, scale):
+        """:func:`linear_clipped_grad`."""
+        return linear_clipped_grad(layer, inputs[0], grad_out, scale)
 
     @staticmethod
     def fast_norm(cache: GramCache, policy=None, tuner=None):
@@ -298,10 +325,11 @@ class LinearRoom(LayerRoom):
 
         Per-sample gradients: ``N d_out (d_in + 1)`` values in ``g``'s dtype (and in fp32 for
         narrower dtypes), and their weighted sum. A Gram strategy in row blocks of ``b`` tokens
-        (0: one block): every row block of the input Gram (:func:`.linear_grams.upper_gram`,
-        held for all of its readers), plus the largest row block of the output-gradient Gram
-        with its product in fp32 (and an fp32 copy of the input block for narrower dtypes); full
-        Grams take about ``12 N T^2`` bytes in fp32. ``with_weight_grad`` adds the
+        (0: one block): every row block of the input Gram in fp32
+        (:func:`.linear_grams.upper_gram`, held for all of its readers), plus the largest row
+        block of the output-gradient Gram in fp32 (and in ``g``'s dtype before it is widened, for
+        narrower dtypes); full Grams take about ``4 N T^2`` bytes each in fp32.
+        ``with_weight_grad`` adds the
         weight-gradient matmul's output (timed with the Gram strategies when per-sample
         gradients compete).
         """
@@ -316,9 +344,9 @@ class LinearRoom(LayerRoom):
         if not weight:  # bias only: no Gram at all
             return total + n * d_out * wide
         blocks = row_blocks(t, c.block)
-        total += n * ea * sum(w * (t - s) for s, w in blocks)
+        total += n * max(4, ea) * sum(w * (t - s) for s, w in blocks)
         first = n * blocks[0][1] * t  # the widest row block, rows 0 .. w against all columns
-        return total + first * (eg + wide + (wide if ea < wide else 0))
+        return total + first * (wide + (eg if eg < wide else 0))
 
     @staticmethod
     def work(

@@ -12,7 +12,14 @@ When ``b`` divides ``T`` into ``k`` blocks this computes ``(k + 1) / (2 k)`` of 
 matmul FLOPs: 3/4 at two blocks, 5/8 at four, 9/16 at eight (:func:`flop_fraction` in general).
 It never holds a full ``N x T x T`` Gram of an output gradient: each row block is contracted and
 dropped. The result equals the full contraction to floating-point rounding (the summation order
-differs); products and sums are formed in fp32, or fp64 for fp64 inputs.
+differs).
+
+Precision and traffic: every Gram piece is held in fp32 (fp64 for fp64 inputs). On CUDA the
+matmul writes fp32 itself from fp16/bf16 inputs (``out_dtype``, accumulated in fp32); elsewhere
+(torch has no such CPU kernel) each row block is widened once after its matmul, and an input
+Gram's once for all the layers that read it. Two row blocks are contracted by batched dot
+products (a ``bmm`` of ``1 x K`` by ``K x 1`` per sample, over the whole row block and over the
+rows of its diagonal block, which count once): no elementwise product is written.
 
 Block sizes (``gram_block="auto"``, resolved per layer from the activation's device):
 
@@ -74,8 +81,32 @@ def flop_fraction(t: int, block: int) -> float:
     return sum(w * (t - s) for s, w in row_blocks(t, block)) / (t * t)
 
 
+#: Whether ``torch.bmm(..., out_dtype=)`` ran here for a (device type, dtype): learnt on first use.
+_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` (batched) in fp32 for fp16/bf16 inputs, as is for fp32 and fp64.
+
+    On CUDA the matmul accumulates and writes fp32 itself (``out_dtype``); where torch has no
+    such kernel (CPU), its result is widened.
+    """
+    wide = torch.promote_types(x.dtype, torch.float32)
+    if x.dtype == wide:
+        return torch.bmm(x, y)
+    key = (x.device.type, x.dtype)
+    if type(x) is torch.Tensor and x.device.type == "cuda" and _OUT_DTYPE.get(key, True):
+        try:
+            out = torch.bmm(x, y, out_dtype=wide)
+            _OUT_DTYPE[key] = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE[key] = False
+    return torch.bmm(x, y).to(wide)
+
+
 def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
-    """Row blocks of ``x x^T`` per sample.
+    """Row blocks of ``x x^T`` per sample, in fp32 (fp64 for fp64).
 
     Args:
         x: ``(N, T, d)``.
@@ -85,7 +116,7 @@ def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
         One ``(N, w_i, T - s_i)`` tensor per row block of :func:`row_blocks`.
     """
     xt = x.transpose(1, 2)
-    return [torch.bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in row_blocks(x.shape[1], block)]
+    return [wide_bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in row_blocks(x.shape[1], block)]
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
@@ -93,12 +124,24 @@ def widen(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _fold(p: torch.Tensor, w: int) -> torch.Tensor:
-    """A row block's share of the full sum: its diagonal block once, the rest twice."""
-    diag = p[:, :, :w].sum((1, 2))
-    if p.shape[2] == w:
-        return diag
-    return diag + 2 * p[:, :, w:].sum((1, 2))
+def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: ``sum(a[n] * b[n])`` as one batched matmul, without writing the product.
+
+    ``a`` and ``b`` are contiguous ``(N, ...)`` tensors of one shape and dtype.
+    """
+    n = a.shape[0]
+    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).view(n)
+
+
+def _leading_dot(a: torch.Tensor, b: torch.Tensor, w: int) -> torch.Tensor:
+    """``(N,)``: the batched dot of the leading ``w x w`` blocks of ``(N, w, K)`` row blocks.
+
+    The block's rows are views (``N w`` rows of ``w`` values, ``K`` apart): one batched matmul
+    of ``N w`` row pairs, no copy.
+    """
+    n = a.shape[0]
+    rows = torch.bmm(a[:, :, :w].reshape(n * w, 1, w), b[:, :, :w].reshape(n * w, w, 1))
+    return rows.view(n, w).sum(1)
 
 
 def contract_output_grams(
@@ -116,17 +159,18 @@ def contract_output_grams(
     Returns:
         ``(weight_sq, bias_sq)``, each ``(N,)`` in at least fp32, or None where not asked for.
     """
-    if aat is None:  # bias only: |sum_t g_t|^2 directly, no Gram
-        return None, (widen(g).sum(1).pow(2).sum(1) if bias else None)
-    w_sq = b_sq = None
+    wide = torch.promote_types(g.dtype, torch.float32)
+    # the bias term |sum_t g_t|^2 directly: the sum of G G^T without its Gram
+    b_sq = g.sum(1, dtype=wide).pow(2).sum(1) if bias else None
+    if aat is None:
+        return None, b_sq
+    w_sq = None
     gt = g.transpose(1, 2)
-    for i, (s, w) in enumerate(row_blocks(g.shape[1], block)):
-        ggt = torch.bmm(g[:, s : s + w], gt[:, :, s:])
-        a_i = aat[i]
-        prod = a_i * ggt if a_i.dtype == ggt.dtype == torch.float32 else widen(a_i) * ggt
-        part = _fold(prod, w)
+    for a_i, (s, w) in zip(aat, row_blocks(g.shape[1], block)):
+        ggt = wide_bmm(g[:, s : s + w], gt[:, :, s:])
+        a_i = a_i.to(ggt.dtype)
+        part = batched_dot(a_i, ggt)
+        if ggt.shape[2] > w:  # the diagonal block once, the rest of the row twice
+            part = 2 * part - _leading_dot(a_i, ggt, w)
         w_sq = part if w_sq is None else w_sq + part
-        if bias:
-            part = _fold(widen(ggt), w)
-            b_sq = part if b_sq is None else b_sq + part
     return w_sq, b_sq

@@ -37,7 +37,14 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from torch import nn
 
 from ..distributed.tensor_parallel import sum_sequence_shards
-from .registry import LayerRoom, Unavailable, register_layer, room_named
+from .registry import (
+    LayerRoom,
+    Unavailable,
+    keep_per_sample,
+    register_layer,
+    room_named,
+    scale_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +89,17 @@ def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> to
 
 
 def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
-    """Per-sample gradient norm of an RMSNorm weight (Opacus's norm-sampler signature)."""
+    """Per-sample gradient norm of an RMSNorm weight (Opacus's norm-sampler signature).
+
+    The per-sample gradients (``N x H``) are left on the layer (:func:`.registry.keep_per_sample`):
+    the one-backward step's clipped gradient is their weighted sum, so the normalised input is
+    computed once per step.
+    """
     g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
     # sequence parallelism: this rank's tokens only; the sum over tp comes before the norm
-    g = sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None))
-    return {layer.weight: g.float().norm(2, dim=-1)}
+    g = sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None)).float()
+    keep_per_sample(layer, {"weight": g})  # fp32 (N x H): its weighted sum is one matvec
+    return {layer.weight: g.norm(2, dim=-1)}
 
 
 #: The hooks accept this sampler on sequence-sharded inputs (it sums them over tp).
@@ -228,8 +241,9 @@ class LayerNormRoom(LayerRoom):
             out["bias"] = backprops.sum(dims)
         return out
 
-    def clipped_grad(self, layer, inputs, grad_out):
+    def clipped_grad(self, layer, inputs, grad_out, scale):
         """The same sums over the batch too, of the scaled output gradient."""
+        grad_out = scale_rows(grad_out, scale)
         x = inputs[0]
         xhat = F.layer_norm(x, layer.normalized_shape, None, None, layer.eps)
         dims = tuple(range(grad_out.dim() - len(layer.normalized_shape)))
@@ -262,8 +276,9 @@ class RMSNormRoom(LayerRoom):
         g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
         return {"weight": sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None))}
 
-    def clipped_grad(self, layer, inputs, grad_out):
+    def clipped_grad(self, layer, inputs, grad_out, scale):
         """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""
+        grad_out = scale_rows(grad_out, scale)
         x = inputs[0]
         xhat = normalized(x, epsilon(layer))
         grad = (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)

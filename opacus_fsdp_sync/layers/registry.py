@@ -83,10 +83,48 @@ class LayerRoom:
         raise NotImplementedError
 
     def clipped_grad(
-        self, layer: nn.Module, inputs: list, grad_out: torch.Tensor
+        self, layer: nn.Module, inputs: list, grad_out: torch.Tensor, scale: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """``{name: sum_n c_n grad_n}``, given the output gradient whose row n is ``c_n b_n``."""
+        """``{name: sum_n c_n grad_n}``.
+
+        Args:
+            layer: The layer.
+            inputs: Its kept inputs.
+            grad_out: Its output gradient ``b`` (batch first), unscaled.
+            scale: ``(N,)`` fp32: sample n's factor ``c_n`` (clipping coefficient, times the
+                batch size for a mean loss). A room applies it to the narrowest operand it can
+                (:func:`scale_rows`), never to more than the output gradient.
+        """
         raise NotImplementedError
+
+
+def scale_rows(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None):
+    """``t`` with row n (along dim 0) multiplied by ``scale[n]``, in ``dtype`` (default ``t``'s).
+
+    One kernel: the product is formed in fp32 and rounded once to ``dtype``.
+    """
+    shape = (t.shape[0],) + (1,) * (t.dim() - 1)
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+    return torch.mul(t, scale.view(shape), out=out)
+
+
+#: Where a norm sampler leaves the per-sample gradients it computed on the way (see below).
+_KEPT_ATTRIBUTE = "_ghost_per_sample_grads"
+
+
+def keep_per_sample(layer: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Leaves per-sample gradients a norm computed (``{name: (N, *shape)}``) on ``layer``.
+
+    The first pass takes them (:func:`take_per_sample`) right after the layer's norm hook, and
+    the one-backward step then forms the clipped gradient as their weighted sum instead of
+    recomputing it from the layer's inputs. They belong to the output gradient the norm saw.
+    """
+    layer.__dict__[_KEPT_ATTRIBUTE] = grads
+
+
+def take_per_sample(layer: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The per-sample gradients :func:`keep_per_sample` left on ``layer`` (and forgets them)."""
+    return layer.__dict__.pop(_KEPT_ATTRIBUTE, None)
 
 
 _BY_TYPE: dict[type, LayerRoom] = {}

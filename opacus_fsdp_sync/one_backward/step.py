@@ -24,8 +24,8 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         kept: ``(module, inputs, grad_out)`` per layer, as the first pass left them (``grad_out``
             the raw gradient of the reduced loss w.r.t. the layer's output, batch first), or
             ``(module, None, per-sample gradients by parameter name)`` for a layer that
-            materialised them (``Linear`` only, :mod:`..layers.linear`: already per sample loss,
-            so no rescaling).
+            materialised them in its norm (``Linear`` where cheaper, RMSNorm-like layers), from
+            the same raw output gradient (scaled here like the others).
         coef: Per-sample clipping coefficients ``(N,)``.
         loss_reduction: ``"mean"`` or ``"sum"``.
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
@@ -43,21 +43,21 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
     """
     out = {}
     scales: dict[tuple, torch.Tensor] = {}
+
+    def scale_for(t: torch.Tensor) -> torch.Tensor:
+        """``coef`` in fp32 on ``t``'s device, times the batch size for a mean loss."""
+        key = (t.device, t.shape[0])
+        if key not in scales:
+            scale = coef.to(device=t.device, dtype=torch.float32)
+            scales[key] = scale * t.shape[0] if loss_reduction == "mean" else scale
+        return scales[key]
+
     for module, inputs, grad_out in kept:
         if inputs is None:  # per-sample gradients materialised in the first pass
             first = next(iter(grad_out.values()))
-            scale = coef.to(device=first.device, dtype=torch.float32)
-            for name, g in clipped_sum(grad_out, scale).items():
+            for name, g in clipped_sum(grad_out, scale_for(first)).items():
                 _add(out, module, name, g)
             continue
-        n = grad_out.shape[0]
-        key = (grad_out.device, n)
-        if key not in scales:
-            scale = coef.to(device=grad_out.device, dtype=torch.float32)
-            scales[key] = scale * n if loss_reduction == "mean" else scale
-        shape = (n,) + (1,) * (grad_out.dim() - 1)
-        # One kernel: the product is formed in fp32 and rounded once to the gradient's dtype.
-        scaled = torch.mul(grad_out, scales[key].view(shape), out=torch.empty_like(grad_out))
         room = room_for(module, type_of(module))
         if not room.direct and any(
             isinstance(p, torch.distributed.tensor.DTensor)
@@ -67,7 +67,8 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
                 f"{type(module).__name__} has no direct clipped-gradient formula and its "
                 "parameters are sharded here"
             )
-        grads = room.clipped_grad(module, inputs, scaled)
+        # the room scales the narrowest operand it can, never more than the output gradient
+        grads = room.clipped_grad(module, inputs, grad_out, scale_for(grad_out))
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:

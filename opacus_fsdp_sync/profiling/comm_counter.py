@@ -44,6 +44,13 @@ _KINDS = {
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 
 
+def collective_kind(func) -> str | None:
+    """The collective kind of an op overload (``all_gather``, ...), or None for other ops."""
+    if getattr(func, "namespace", "") not in _NAMESPACES:
+        return None
+    return _KINDS.get(func._schema.name.split("::")[-1])
+
+
 @dataclass
 class CollectiveStats:
     """Number of calls and bytes moved (the largest tensor argument of each call)."""
@@ -83,16 +90,13 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        namespace = getattr(func, "namespace", "")
-        if namespace in _NAMESPACES:
-            name = func._schema.name.split("::")[-1]
-            kind = _KINDS.get(name)
-            if kind is not None:
-                nbytes = max(_tensor_bytes(args), _tensor_bytes(list(kwargs.values())))
-                with self._lock:
-                    entry = self.stats[current_phase()][kind]
-                    entry.count += 1
-                    entry.bytes += nbytes
+        kind = collective_kind(func)
+        if kind is not None:
+            nbytes = max(_tensor_bytes(args), _tensor_bytes(list(kwargs.values())))
+            with self._lock:
+                entry = self.stats[current_phase()][kind]
+                entry.count += 1
+                entry.bytes += nbytes
         return func(*args, **kwargs)
 
     def reset(self) -> None:
