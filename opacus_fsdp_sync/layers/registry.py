@@ -88,6 +88,21 @@ class LayerRoom:
         """``{name: sum_n c_n grad_n}``, given the output gradient whose row n is ``c_n b_n``."""
         raise NotImplementedError
 
+    def clipped_grad_folded(
+        self,
+        layer: nn.Module,
+        inputs: list,
+        grad_out: torch.Tensor,
+        coef: torch.Tensor,
+        fused_kernels: bool | None = None,
+    ) -> dict[str, torch.Tensor] | None:
+        """:meth:`clipped_grad` with the coefficients ``coef`` (``(N,)``) applied by a kernel.
+
+        ``grad_out`` is not yet scaled. None (the default): the room has no such kernel here,
+        and the caller scales ``grad_out`` and calls :meth:`clipped_grad`.
+        """
+        return None
+
 
 _BY_TYPE: dict[type, LayerRoom] = {}
 _MATCHED: list[LayerRoom] = []

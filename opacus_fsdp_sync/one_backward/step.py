@@ -17,7 +17,9 @@ class OneBackwardUnavailable(RuntimeError):
     """This model or API cannot take the one-backward path (the two-pass step runs instead)."""
 
 
-def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, str], tuple]:
+def clipped_gradients(
+    kept, coef, loss_reduction, type_of, *, fused_kernels: bool | None = None
+) -> dict[tuple[int, str], tuple]:
     """Clipped weight gradients of every kept layer.
 
     Args:
@@ -29,6 +31,8 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         coef: Per-sample clipping coefficients ``(N,)``.
         loss_reduction: ``"mean"`` or ``"sum"``.
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
+        fused_kernels: The option of that name: a room's kernel that folds the coefficients in
+            (:meth:`~..layers.registry.LayerRoom.clipped_grad_folded`) where it applies.
 
     Returns:
         ``{(id(module), name): (module, name, gradient)}``; the caller sums shared weights.
@@ -54,24 +58,30 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         if key not in scales:
             scale = coef.to(device=grad_out.device, dtype=torch.float32)
             scales[key] = scale * n if loss_reduction == "mean" else scale
-        shape = (n,) + (1,) * (grad_out.dim() - 1)
-        # One kernel: the product is formed in fp32 and rounded once to the gradient's dtype.
-        scaled = torch.mul(grad_out, scales[key].view(shape), out=torch.empty_like(grad_out))
         room = room_for(module, type_of(module))
-        if not room.direct and any(
-            isinstance(p, torch.distributed.tensor.DTensor)
-            for p in module.parameters(recurse=False)
-        ):
-            raise OneBackwardUnavailable(
-                f"{type(module).__name__} has no direct clipped-gradient formula and its "
-                "parameters are sharded here"
-            )
-        grads = room.clipped_grad(module, inputs, scaled)
+        grads = room.clipped_grad_folded(module, inputs, grad_out, scales[key], fused_kernels)
+        if grads is None:
+            grads = _scaled_clipped_grad(room, module, inputs, grad_out, scales[key])
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:
                 out[(id(module), name)] = (module, name, g)
     return out
+
+
+def _scaled_clipped_grad(room, module, inputs, grad_out, scale) -> dict[str, torch.Tensor]:
+    """The room's clipped gradient of the output gradient scaled by ``scale`` (``(N,)``)."""
+    shape = (grad_out.shape[0],) + (1,) * (grad_out.dim() - 1)
+    # One kernel: the product is formed in fp32 and rounded once to the gradient's dtype.
+    scaled = torch.mul(grad_out, scale.view(shape), out=torch.empty_like(grad_out))
+    if not room.direct and any(
+        isinstance(p, torch.distributed.tensor.DTensor) for p in module.parameters(recurse=False)
+    ):
+        raise OneBackwardUnavailable(
+            f"{type(module).__name__} has no direct clipped-gradient formula and its "
+            "parameters are sharded here"
+        )
+    return room.clipped_grad(module, inputs, scaled)
 
 
 def by_parameter(grads: dict) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:

@@ -11,13 +11,13 @@ The option is :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels` (None
 Triton imports; False: the torch path everywhere).
 """
 
-from .availability import check_option, triton_available, use_fused
+from .availability import describe, triton_available, use_fused
 from .linear import linear_clipped_grad, linear_sq_norms, weight_sq_norm
 from .ops import clipped_grad_linear, ghost_norm_linear, per_sample_norm_linear
 
 __all__ = [
-    "check_option",
     "clipped_grad_linear",
+    "describe",
     "ghost_norm_linear",
     "linear_clipped_grad",
     "linear_sq_norms",

@@ -69,20 +69,22 @@ def use_fused(option: bool | None, *tensors: torch.Tensor) -> bool:
     return tensors[0].device.type == "cuda" or option is True
 
 
-def check_option(option: object) -> None:
-    """Raises unless ``option`` is a valid ``fused_kernels`` value (True needs Triton).
+def describe(option: bool | None, device: torch.device) -> str:
+    """One log phrase: whether the fused kernels run for a model on ``device``, and why.
 
     Raises:
-        ValueError: naming the option and the allowed values, or that Triton is missing.
+        ValueError: ``option`` is True and Triton does not import.
     """
-    if option is not None and not isinstance(option, bool):
-        raise ValueError(
-            f"fused_kernels={option!r}: choose None (automatic: on CUDA when triton imports), "
-            "True or False"
-        )
     if option is True and not triton_available():
         raise ValueError(
             "fused_kernels=True needs triton, which does not import here: install it (CUDA "
             "wheels of torch bring it; `pip install -e .[kernels-test]` for the CPU "
             "interpreter) or leave fused_kernels=None"
         )
+    if option is False:
+        return "torch path (fused_kernels=False)"
+    if not triton_available():
+        return "torch path (fused_kernels=None: triton does not import)"
+    if device.type == "cuda" or (option is True and interpreting()):
+        return f"fused Triton kernels (fused_kernels={option}, {device.type})"
+    return f"torch path (fused_kernels={option}: {device.type} is not CUDA)"
