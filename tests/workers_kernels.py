@@ -92,7 +92,7 @@ def _check_clipped_op(n, t, d_in, d_out, dtype):
     # with |exact|: bf16 is within one ulp (2^-8), fp32 within fp32 accumulation error.
     mag = scaled.abs().reshape(-1, d_out).t() @ a.double().abs().reshape(-1, d_in)
     torch_path = ops.clipped_grad_reference(a, g, coef).double()
-    ulp = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype, 0.0)
     for name, other, ulps in (("exact", exact, 1), ("torch path", torch_path, 2)):
         excess = (got.double() - other).abs() - ulps * ulp * other.abs()
         err = (excess / mag).max().item()
@@ -246,6 +246,7 @@ def case_engine_one_backward():
 CASES = {
     "ops_fp32": _case_ops(torch.float32),
     "ops_bf16": _case_ops(torch.bfloat16),
+    "ops_fp16": _case_ops(torch.float16, t=20),
     "ops_one_sample": _case_ops(torch.bfloat16, n=1),
     "ops_short_sequence": _case_ops(torch.float32, t=5, d_in=16, d_out=33),
     "ops_tile_multiples": _case_ops(torch.bfloat16, n=2, t=32, d_in=16, d_out=32),
