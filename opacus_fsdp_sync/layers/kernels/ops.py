@@ -40,8 +40,13 @@ def _norm_dtype(a: Tensor, g: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
 
 
+#: CUDA's limit on a grid's second dimension, which the norm kernels give the samples.
+MAX_SAMPLES = 65535
+
+
 def _triton(a: Tensor, g: Tensor) -> bool:
-    return a.dtype in DTYPES and g.dtype in DTYPES and can_launch(a, g)
+    supported = a.dtype in DTYPES and g.dtype in DTYPES and a.shape[0] <= MAX_SAMPLES
+    return supported and can_launch(a, g)
 
 
 def _check(a: Tensor, g: Tensor) -> None:

@@ -27,26 +27,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (each at least 16, as ``tl.dot`` needs) and warps per program.
+    """Tile sizes (powers of two, at least 16, as ``tl.arange`` and ``tl.dot`` need) and warps.
 
     Attributes:
-        rows: Tokens per tile of the ghost norm's ``T x T`` products, and of the reduction
-            over tokens (or flattened ``N T`` rows) in the two GEMM kernels.
-        cols: Output features per tile of the GEMM kernels.
-        inner: Input features per tile (the ghost norm's reduction chunk over ``d``).
-        warps: ``num_warps``.
+        ghost_features: Features per step of the ghost norm's tile products (its token tile is
+            the op's ``block_t``).
+        ghost_warps: ``num_warps`` of the ghost norm.
+        gemm_out: Side of the square ``(d_out, d_in)`` output tile of the two GEMM kernels.
+        gemm_rows: Tokens (or flattened ``N T`` rows) per step of their reduction.
+        gemm_warps: Their ``num_warps``.
     """
 
-    rows: int
-    cols: int
-    inner: int
-    warps: int
+    ghost_features: int
+    ghost_warps: int
+    gemm_out: int
+    gemm_rows: int
+    gemm_warps: int
 
 
-#: CUDA tiles: chosen for modest register use, not tuned on a GPU yet.
-CUDA_TILES = Tiles(rows=64, cols=64, inner=32, warps=4)
+#: CUDA: usual first choices for such kernels (the GEMMs as Triton's matmul tutorial), not
+#: tuned on a GPU yet.
+CUDA_TILES = Tiles(ghost_features=32, ghost_warps=4, gemm_out=128, gemm_rows=32, gemm_warps=8)
 #: The interpreter (``TRITON_INTERPRET=1``, CPU): the smallest tiles keep it fast.
-INTERPRETER_TILES = Tiles(rows=16, cols=16, inner=16, warps=1)
+INTERPRETER_TILES = Tiles(ghost_features=16, ghost_warps=1, gemm_out=16, gemm_rows=16, gemm_warps=1)
 
 
 def tiles_for(device: torch.device) -> Tiles:
@@ -63,9 +66,13 @@ def _upcast(*tensors: torch.Tensor) -> bool:
 
 
 def _precision(*tensors: torch.Tensor) -> str:
-    if any(t.dtype == torch.float32 for t in tensors) and torch.backends.cuda.matmul.allow_tf32:
+    """``tl.dot``'s precision: IEEE for fp32 operands unless TF32 is allowed, as in PyTorch.
+
+    Without fp32 operands the option is ignored; ``"tf32"`` (the default) is passed then.
+    """
+    if not any(t.dtype == torch.float32 for t in tensors):
         return "tf32"
-    return "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 @triton.jit
@@ -248,8 +255,8 @@ def ghost_norm(a: torch.Tensor, g: torch.Tensor, block_t: int) -> torch.Tensor:
         a, g, pairs, partial,
         t, d_in, d_out, pairs.shape[0],
         *a.stride(), *g.stride(),
-        BLOCK_T=block_t, BLOCK_D=tiles.inner, PRECISION=_precision(a, g), UPCAST=_upcast(a, g),
-        num_warps=tiles.warps,
+        BLOCK_T=block_t, BLOCK_D=tiles.ghost_features, PRECISION=_precision(a, g),
+        UPCAST=_upcast(a, g), num_warps=tiles.ghost_warps,
     )  # fmt: skip
     return partial.sum(1)
 
@@ -259,15 +266,15 @@ def per_sample_norm(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     n, t, d_in = a.shape
     d_out = g.shape[-1]
     tiles = tiles_for(a.device)
-    tiles_in = triton.cdiv(d_in, tiles.inner)
-    count = triton.cdiv(d_out, tiles.cols) * tiles_in
+    tiles_in = triton.cdiv(d_in, tiles.gemm_out)
+    count = triton.cdiv(d_out, tiles.gemm_out) * tiles_in
     partial = torch.empty(n, count, device=a.device, dtype=torch.float32)
     _per_sample_norm_kernel[(count, n)](
         a, g, partial,
         t, d_in, d_out, tiles_in, count,
         *a.stride(), *g.stride(),
-        BLOCK_O=tiles.cols, BLOCK_I=tiles.inner, BLOCK_T=tiles.rows,
-        PRECISION=_precision(a, g), UPCAST=_upcast(a, g), num_warps=tiles.warps,
+        BLOCK_O=tiles.gemm_out, BLOCK_I=tiles.gemm_out, BLOCK_T=tiles.gemm_rows,
+        PRECISION=_precision(a, g), UPCAST=_upcast(a, g), num_warps=tiles.gemm_warps,
     )  # fmt: skip
     return partial.sum(1)
 
@@ -278,12 +285,12 @@ def clipped_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.
     d_out = g.shape[-1]
     tiles = tiles_for(a.device)
     out = torch.empty(d_out, d_in, device=g.device, dtype=g.dtype)
-    grid = (triton.cdiv(d_out, tiles.cols), triton.cdiv(d_in, tiles.inner))
+    grid = (triton.cdiv(d_out, tiles.gemm_out), triton.cdiv(d_in, tiles.gemm_out))
     _clipped_grad_kernel[grid](
         a, g, coef, out,
         t, n * t, d_in, d_out,
         *a.stride(), *g.stride(), *out.stride(),
-        BLOCK_O=tiles.cols, BLOCK_I=tiles.inner, BLOCK_K=tiles.rows,
-        PRECISION=_precision(a, g), UPCAST=_upcast(a, g), num_warps=tiles.warps,
+        BLOCK_O=tiles.gemm_out, BLOCK_I=tiles.gemm_out, BLOCK_K=tiles.gemm_rows,
+        PRECISION=_precision(a, g), UPCAST=_upcast(a, g), num_warps=tiles.gemm_warps,
     )  # fmt: skip
     return out
