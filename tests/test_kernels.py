@@ -167,3 +167,28 @@ def test_linear_room_keeps_the_torch_path_when_off():
     room = room_for(layer, nn.Linear)
     assert room.clipped_grad_folded(layer, [a], g, torch.ones(2), False) is None
     assert room.clipped_grad_folded(layer, [a], g, torch.ones(2), None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 300, 200, 350), (2, 130, 64, 5000), (1, 64, 128, 96)])
+def test_compiled_kernels_on_cuda(dtype, shape):
+    """The compiled kernels against fp64 on the same inputs (partial tiles, a wide head)."""
+    n, t, d_in, d_out = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, t, d_in, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(n, t, d_out, device="cuda", generator=gen).to(dtype)
+    exact = (torch.bmm(g.double().mT, a.double()) ** 2).sum((1, 2))
+    for got in (ops.ghost_norm_linear(a, g, 64), ops.per_sample_norm_linear(a, g)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0)
+    coef = torch.rand(n, device="cuda", generator=gen)
+    scaled = torch.mul(g, coef.view(-1, 1, 1), out=torch.empty_like(g)).double()
+    want = scaled.reshape(-1, d_out).t() @ a.double().reshape(-1, d_in)
+    mag = scaled.abs().reshape(-1, d_out).t() @ a.double().abs().reshape(-1, d_in)
+    got = ops.clipped_grad_linear(a, g, coef)
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    assert got.dtype == dtype
+    assert (((got.double() - want).abs() - ulp * want.abs()) / mag).max().item() <= 1e-5
