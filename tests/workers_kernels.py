@@ -243,6 +243,42 @@ def case_engine_one_backward():
     return f"max parameter difference to the loop {err:.1e} (update {moved:.1e})"
 
 
+def case_engine_tied_llama():
+    """A tiny Llama with tied embeddings: the head's norm and gradient from the kernels, the
+    cross term with the embedding in torch; the clip-each-sample loop's parameters."""
+    from opacus_fsdp_sync import PrivacyEngine
+    from opacus_fsdp_sync.models import LlamaSpec, build_llama
+    from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+    from tests.private import lm_loss, make_private
+    from tests.workers_tied import llama_sample_loss
+
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=True))
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    linears = sum(isinstance(m, nn.Linear) for m in base.modules())
+    b = 3
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, base.config.vocab_size, (b, 12), generator=gen)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), llama_sample_loss, ids, ids, 1.0)
+    clip = norms.median().item()
+    model = copy.deepcopy(base)
+    engine = PrivacyEngine(fused_kernels=True, per_sample_grads=False, tune_norms=False)
+    gsm, opt, crit, _ = make_private(engine, model, (ids,), b, clip, "ghost", lr=0.5)
+    loss = lm_loss(gsm, crit, ids)
+    with OpLog() as log:
+        loss.backward()
+    opt.step()
+    norm_ops = log.ops.count("ghost_norm_linear") + log.ops.count("per_sample_norm_linear")
+    assert norm_ops == linears and log.ops.count("clipped_grad_linear") == linears, log.ops
+    ref = copy.deepcopy(base)
+    clip_each_sample_step(ref, llama_sample_loss, ids, ids, clip, 0.5)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    err = max((got[k] - want[k]).abs().max().item() for k in got)
+    moved = max((got[k] - p).abs().max().item() for k, p in base.named_parameters())
+    assert err <= 1e-5 and moved > 1e-3, (err, moved)
+    return f"{linears} Linear layers; parameters {err:.1e} from the loop (update {moved:.1e})"
+
+
 CASES = {
     "ops_fp32": _case_ops(torch.float32),
     "ops_bf16": _case_ops(torch.bfloat16),
@@ -256,6 +292,7 @@ CASES = {
     "room_clipped_grad": case_room_clipped_grad,
     "dtensor_local_shards": case_dtensor_local_shards,
     "engine_one_backward": case_engine_one_backward,
+    "engine_tied_llama": case_engine_tied_llama,
 }
 
 
