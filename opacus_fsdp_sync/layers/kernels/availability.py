@@ -40,13 +40,12 @@ def interpreting() -> bool:
 
 def can_launch(*tensors: torch.Tensor) -> bool:
     """Whether a Triton kernel can run on ``tensors``: CUDA, or CPU under the interpreter."""
-    if not tensors or not triton_available():
-        return False
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         return False
     (device,) = devices
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+    on_device = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    return on_device and triton_available()  # the import is tried only where it can matter
 
 
 def use_fused(option: bool | None, *tensors: torch.Tensor) -> bool:
@@ -62,11 +61,11 @@ def use_fused(option: bool | None, *tensors: torch.Tensor) -> bool:
         True when the kernels apply: a supported dtype (fp32, bf16, fp16) on a device where
         Triton can launch them.
     """
-    if option is False or not all(t.dtype in DTYPES for t in tensors):
+    if option is False or not tensors or not all(t.dtype in DTYPES for t in tensors):
         return False
-    if not can_launch(*tensors):
+    if tensors[0].device.type != "cuda" and option is not True:
         return False
-    return tensors[0].device.type == "cuda" or option is True
+    return can_launch(*tensors)
 
 
 def describe(option: bool | None, device: torch.device) -> str:
@@ -83,8 +82,8 @@ def describe(option: bool | None, device: torch.device) -> str:
         )
     if option is False:
         return "torch path (fused_kernels=False)"
+    if device.type != "cuda" and not (option is True and interpreting()):
+        return f"torch path (fused_kernels={option}: {device.type} is not CUDA)"
     if not triton_available():
         return "torch path (fused_kernels=None: triton does not import)"
-    if device.type == "cuda" or (option is True and interpreting()):
-        return f"fused Triton kernels (fused_kernels={option}, {device.type})"
-    return f"torch path (fused_kernels={option}: {device.type} is not CUDA)"
+    return f"fused Triton kernels (fused_kernels={option}, {device.type})"
