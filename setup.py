@@ -20,6 +20,9 @@ setup(
         "lora": ["peft>=0.13", "transformers>=4.45"],
         "data": ["datasets"],
         "tensorboard": ["tensorboard"],
+        # The fused kernels' tests under Triton's CPU interpreter; CUDA wheels of torch bring
+        # their own triton, which the kernels use.
+        "kernels-test": ["triton==3.9.0"],
         "dev": [
             "pytest>=7",
             "pytest-timeout",

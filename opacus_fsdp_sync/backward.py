@@ -43,6 +43,9 @@ class GhostStepContext:
     handoff: GradientHandoff | None = None
     """With the restricted first pass: delivers clipped gradients computed from it (one
     backward per step); None runs the second backward."""
+    fused_kernels: bool | None = None
+    """The option of that name (:class:`~.options.GhostOptions`): clipped ``Linear`` gradients
+    from the fused kernel with the coefficients folded in."""
     optimizer_ops: DPOptimizerOps = field(default_factory=lambda: OpacusOptimizerOps(None))
     """What the step asks of the DP optimizer (noise drawn ahead, gradients cleared to None)."""
     last_step_one_backward: bool | None = None
@@ -311,7 +314,13 @@ class SyncDPTensor(DPTensorFastGradientClipping):
 
         def compute(entries: list) -> dict:
             with phase("weight_grads"), timer.phase("weight_grads"):
-                return clipped_gradients(entries, coeff, self.loss_reduction, type_of)
+                return clipped_gradients(
+                    entries,
+                    coeff,
+                    self.loss_reduction,
+                    type_of,
+                    fused_kernels=self.context.fused_kernels,
+                )
 
         name = handoff.phase
         handoff.deliver(kept, compute, lambda: _both(phase(name), timer.phase(name)))

@@ -80,6 +80,13 @@ class GhostOptions:
     """Bytes one ``tune_norms`` candidate's working set may take (Gram matrices: ``4 N T^2``
     each in fp32); a candidate over it is never timed (logged). None: as
     ``one_backward_memory_budget``'s automatic budget."""
+    fused_kernels: bool | None = None
+    """Fused Triton kernels for ``Linear`` layers (:mod:`opacus_fsdp_sync.layers.kernels`): the
+    ghost norm without ``T x T`` Grams (or the per-sample-gradient norm as a GEMM epilogue where
+    that has fewer FLOPs) with ``fast_norms``, and the one-backward clipped gradient with the
+    coefficients folded in. None: on CUDA when ``triton`` imports; True: also on CPU under
+    Triton's interpreter (``TRITON_INTERPRET=1``, for tests; needs ``triton``); False: the torch
+    path. Exact to floating-point rounding (the summation order differs)."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -112,6 +119,11 @@ class GhostOptions:
         budget = self.keep_unsharded_budget_bytes
         if budget is not None and budget < 0:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
+        if self.fused_kernels is not None and not isinstance(self.fused_kernels, bool):
+            raise ValueError(
+                f"fused_kernels={self.fused_kernels!r}: choose None (automatic: on CUDA when "
+                "triton imports), True or False"
+            )
         for name in ("one_backward_memory_budget", "tune_norms_memory_budget"):
             check_budget(name, getattr(self, name))
 
@@ -128,6 +140,7 @@ class GhostOptions:
             fast_norms=False,
             per_sample_grads=False,
             tune_norms=False,
+            fused_kernels=False,
             timing=self.timing,
         )
 

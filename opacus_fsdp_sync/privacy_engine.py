@@ -32,6 +32,7 @@ from .empty_batch import EmptyBatchStandIn
 from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
+from .layers.kernels import describe as describe_kernels
 from .layers.linear_grams import describe_block
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import optimizer_ops
@@ -419,6 +420,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         found = detect_api(module)
         record = found.record
         device = _first_device(_unwrap(module))
+        logger.info("[Ghost] Linear kernels: %s", describe_kernels(opts.fused_kernels, device))
         handoff = plan_handoff(module, found, opts)
         keep = False
         if record.capabilities.keep_unsharded and opts.sync_optimization:
@@ -447,6 +449,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             timer=StepTimer(enabled=timing, device=device),
             restricted_first_pass=opts.restricted_first_pass,
             handoff=handoff,
+            fused_kernels=opts.fused_kernels,
             optimizer_ops=optimizer_ops(optimizer),
             memory=None
             if handoff is None
@@ -470,7 +473,12 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 timer=self._context.timer,
                 memory_budget=opts.tune_norms_memory_budget,
             )
-            if hooks.configure_norms(policy=policy, gram_block=opts.gram_block, tuner=tuner):
+            if hooks.configure_norms(
+                policy=policy,
+                gram_block=opts.gram_block,
+                tuner=tuner,
+                fused_kernels=opts.fused_kernels,
+            ):
                 logger.info(
                     "[Ghost] Linear norms: shared input Gram matrices (fast_norms=True), %s",
                     describe_block(opts.gram_block, device),

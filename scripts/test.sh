@@ -44,10 +44,10 @@ quiet_pip() {  # pip without the root-user warning; pip's own exit status is kep
 }
 
 # Installs torch $3 (from requirements/torch-$2.txt when that is the version it pins) and the
-# package with its dev extra into interpreter $1, then runs ruff and pytest ($4...: pytest
-# arguments). Returns the first failing step's exit status (pytest's when the tests fail).
-# Called as `run_suite ... || overall=$?`, where bash ignores `set -e` inside it: every step
-# checks its own status.
+# package with its dev and kernels-test extras into interpreter $1, then runs ruff and pytest
+# ($4...: pytest arguments). Returns the first failing step's exit status (pytest's when the
+# tests fail). Called as `run_suite ... || overall=$?`, where bash ignores `set -e` inside it:
+# every step checks its own status.
 run_suite() {
   local py=$1 run=$2 torch_version=$3
   shift 3
@@ -58,7 +58,13 @@ run_suite() {
     torch_args=(-r "$REQUIREMENTS/torch-$run.txt")
   fi
   quiet_pip "$py" "${torch_args[@]}" || return $?
-  quiet_pip "$py" -e ".[dev]" || return $?
+  # The kernels-test extra (triton, for the fused kernels' tests under its CPU interpreter);
+  # where it cannot be installed beside this torch, those tests skip and say why.
+  if ! quiet_pip "$py" -e ".[dev,kernels-test]"; then
+    echo "== triton (.[kernels-test]) does not install beside torch $torch_version:" \
+      "the fused-kernel interpreter tests skip"
+    quiet_pip "$py" -e ".[dev]" || return $?
+  fi
   "$py" -c "import sys, torch, opacus, opacus_fsdp_sync; print('== tests on torch', \
 torch.__version__, '| opacus', opacus.__version__, '| python', sys.version.split()[0], '|', \
 sys.executable)" || return $?

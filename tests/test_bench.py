@@ -85,6 +85,12 @@ FROZEN_MODES = {
         "ghost_fsdp",
         "A/B for tune_norms: the default with the static norm rules (tuning off)",
     ),
+    "ghost_fsdp_one_backward_torch_kernels": (
+        True,
+        {"restricted_first_pass": True, "one_backward": True, "fused_kernels": False},
+        "ghost_fsdp",
+        "A/B for fused_kernels: the default with the torch path for Linear layers",
+    ),
 }
 
 

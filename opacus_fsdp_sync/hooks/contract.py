@@ -44,8 +44,12 @@ class KeptLayer:
 class StepHooks(Protocol):
     """The calls the engine (setup) and the step make on the hooks, in the order they make them."""
 
-    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+    def configure_norms(
+        self, *, policy, gram_block: int | str, tuner, fused_kernels: bool | None = None
+    ) -> bool:
         """Linear norms from shared input Gram matrices, per-sample gradients by ``policy``.
+
+        ``fused_kernels`` is the option of that name: the fused ``Linear`` norm kernels.
 
         Returns:
             Whether these hooks compute them (False: Opacus's own norm kernels run).
@@ -144,7 +148,9 @@ class OpacusStepHooks:
     def __init__(self, hooks) -> None:
         self.hooks = hooks
 
-    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+    def configure_norms(
+        self, *, policy, gram_block: int | str, tuner, fused_kernels: bool | None = None
+    ) -> bool:
         """Nothing: Opacus's classes compute their own norms."""
         return False
 

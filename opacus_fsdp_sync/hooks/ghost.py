@@ -76,9 +76,11 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
         #: Set by :meth:`use_fast_norms`: the measured norm plan (``tune_norms``), or None.
         self.norm_tuner = None
 
-    def configure_norms(self, *, policy, gram_block: int | str, tuner) -> bool:
+    def configure_norms(
+        self, *, policy, gram_block: int | str, tuner, fused_kernels: bool | None = None
+    ) -> bool:
         """:meth:`use_fast_norms` (the :class:`~.contract.StepHooks` setup call); True."""
-        self.use_fast_norms(policy, gram_block=gram_block, tuner=tuner)
+        self.use_fast_norms(policy, gram_block=gram_block, tuner=tuner, fused_kernels=fused_kernels)
         return True
 
     def use_timer(self, timer, *, norms: bool) -> None:
@@ -87,7 +89,13 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
         if norms:
             self.time_norms(timer)
 
-    def use_fast_norms(self, per_sample_policy=None, gram_block: int | str = 0, tuner=None) -> None:
+    def use_fast_norms(
+        self,
+        per_sample_policy=None,
+        gram_block: int | str = 0,
+        tuner=None,
+        fused_kernels: bool | None = None,
+    ) -> None:
         """Linear norms from shared input Gram matrices (see :mod:`..layers.linear`).
 
         Args:
@@ -97,12 +105,14 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
                 or ``"auto"`` (by the input's device); 0 computes full Grams.
             tuner: A :class:`~..tuning.NormTuner`: Gram blocks and per-sample gradients
                 chosen by measurement instead of the static rules.
+            fused_kernels: The option of that name: Linear norms from the fused kernels
+                (:mod:`..layers.kernels`) where they apply.
         """
         self.gram_cache = GramCache(gram_block)
         self.per_sample_policy = per_sample_policy
         self.norm_tuner = tuner
         self.NORM_SAMPLERS[nn.Linear] = LinearRoom.fast_norm(
-            self.gram_cache, per_sample_policy, tuner
+            self.gram_cache, per_sample_policy, tuner, fused_kernels
         )
 
     # -- the step's contract (:class:`.contract.StepHooks`) -----------------------------------

@@ -40,6 +40,8 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from torch import nn
 
+from .kernels import linear_clipped_grad as fused_clipped_grad
+from .kernels import linear_sq_norms
 from .linear_grams import contract_output_grams, resolve_block, row_blocks, upper_gram, widen
 from .registry import LayerRoom, register_layer, scale_rows
 
@@ -126,8 +128,11 @@ class GramCache:
         self._grams.clear()
 
 
-def make_linear_norm_sampler(cache: GramCache, policy=None, tuner=None):
+def make_linear_norm_sampler(cache: GramCache, policy=None, tuner=None, fused_kernels=None):
     """A norm sampler for ``nn.Linear`` (Opacus's signature) that uses ``cache``.
+
+    Where the fused kernels apply (``fused_kernels``, :func:`.kernels.use_fused`), a sequence
+    layer's ghost norm comes from them (:func:`.kernels.linear_sq_norms`) instead of Grams.
 
     With a :class:`~opacus_fsdp_sync.layers.linear_policy.PerSampleGradPolicy`, a sequence
     layer the policy takes gets its norms from materialised per-sample gradients, which are left
@@ -171,6 +176,11 @@ def make_linear_norm_sampler(cache: GramCache, policy=None, tuner=None):
                     out[layer.bias] = g_sq.sqrt()
                 return out
             a, backprops = a2, g2
+        fused = linear_sq_norms(layer, a, backprops, fused_kernels)
+        if fused is not None:  # no Gram: this reader's count is released
+            if layer.weight.requires_grad and a.shape == activations[0].shape:
+                cache.skip(a)
+            return {getattr(layer, n): sq.clamp(min=0).sqrt() for n, sq in fused.items()}
         bias = layer.bias is not None and layer.bias.requires_grad
         block = cache.block_for(a, backprops) if choice is None else choice.block
         aat = None
@@ -300,10 +310,17 @@ class LinearRoom(LayerRoom):
         """:func:`linear_clipped_grad`."""
         return linear_clipped_grad(layer, inputs[0], grad_out, scale)
 
+    def clipped_grad_folded(self, layer, inputs, grad_out, coef, fused_kernels=None):
+        """The fused kernel with the coefficients folded in (:func:`.kernels.linear_clipped_grad`).
+
+        None where it does not apply (:meth:`clipped_grad` then scales the narrower operand).
+        """
+        return fused_clipped_grad(layer, inputs, grad_out, coef, fused_kernels)
+
     @staticmethod
-    def fast_norm(cache: GramCache, policy=None, tuner=None):
+    def fast_norm(cache: GramCache, policy=None, tuner=None, fused_kernels=None):
         """The Gram-matrix norm sampler (:func:`make_linear_norm_sampler`)."""
-        return make_linear_norm_sampler(cache, policy, tuner)
+        return make_linear_norm_sampler(cache, policy, tuner, fused_kernels)
 
     @staticmethod
     def strategies(blocks: list[int], *, per_sample: bool, weight: bool) -> list[Candidate]:

@@ -97,6 +97,21 @@ class LayerRoom:
         """
         raise NotImplementedError
 
+    def clipped_grad_folded(
+        self,
+        layer: nn.Module,
+        inputs: list,
+        grad_out: torch.Tensor,
+        coef: torch.Tensor,
+        fused_kernels: bool | None = None,
+    ) -> dict[str, torch.Tensor] | None:
+        """:meth:`clipped_grad` with the coefficients ``coef`` (``(N,)``) applied by a kernel.
+
+        ``grad_out`` is not yet scaled. None (the default): the room has no such kernel here,
+        and the caller calls :meth:`clipped_grad` with the same scale.
+        """
+        return None
+
 
 def scale_rows(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None):
     """``t`` with row n (along dim 0) multiplied by ``scale[n]``, in ``dtype`` (default ``t``'s).

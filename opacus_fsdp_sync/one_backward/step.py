@@ -17,7 +17,9 @@ class OneBackwardUnavailable(RuntimeError):
     """This model or API cannot take the one-backward path (the two-pass step runs instead)."""
 
 
-def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, str], tuple]:
+def clipped_gradients(
+    kept, coef, loss_reduction, type_of, *, fused_kernels: bool | None = None
+) -> dict[tuple[int, str], tuple]:
     """Clipped weight gradients of every kept layer.
 
     Args:
@@ -29,6 +31,8 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
         coef: Per-sample clipping coefficients ``(N,)``.
         loss_reduction: ``"mean"`` or ``"sum"``.
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
+        fused_kernels: The option of that name: a room's kernel that folds the coefficients in
+            (:meth:`~..layers.registry.LayerRoom.clipped_grad_folded`) where it applies.
 
     Returns:
         ``{(id(module), name): (module, name, gradient)}``, summed over a layer's calls; the
@@ -59,16 +63,19 @@ def clipped_gradients(kept, coef, loss_reduction, type_of) -> dict[tuple[int, st
                 _add(out, module, name, g)
             continue
         room = room_for(module, type_of(module))
-        if not room.direct and any(
-            isinstance(p, torch.distributed.tensor.DTensor)
-            for p in module.parameters(recurse=False)
-        ):
-            raise OneBackwardUnavailable(
-                f"{type(module).__name__} has no direct clipped-gradient formula and its "
-                "parameters are sharded here"
-            )
-        # the room scales the narrowest operand it can, never more than the output gradient
-        grads = room.clipped_grad(module, inputs, grad_out, scale_for(grad_out))
+        scale = scale_for(grad_out)
+        grads = room.clipped_grad_folded(module, inputs, grad_out, scale, fused_kernels)
+        if grads is None:
+            if not room.direct and any(
+                isinstance(p, torch.distributed.tensor.DTensor)
+                for p in module.parameters(recurse=False)
+            ):
+                raise OneBackwardUnavailable(
+                    f"{type(module).__name__} has no direct clipped-gradient formula and its "
+                    "parameters are sharded here"
+                )
+            # the room scales the narrowest operand it can, never more than the output gradient
+            grads = room.clipped_grad(module, inputs, grad_out, scale)
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:

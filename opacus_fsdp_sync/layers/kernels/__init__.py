@@ -1,0 +1,28 @@
+"""Fused Triton kernels beside the ``Linear`` room's torch path (see ``docs/kernels.md``).
+
+- :mod:`.ops`: the ``torch.library`` custom ops (``opacus_fsdp_sync::ghost_norm_linear``,
+  ``::per_sample_norm_linear``, ``::clipped_grad_linear``) with fake impls and FLOP formulas;
+  each falls back to the torch path where Triton cannot launch;
+- :mod:`.triton_linear`: the Triton kernels (imported only when Triton imports);
+- :mod:`.linear`: what the ``Linear`` room calls (squared norms, clipped gradients);
+- :mod:`.availability`: whether Triton imports and whether the kernels apply to a tensor.
+
+The option is :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels` (None: on CUDA when
+Triton imports; False: the torch path everywhere).
+"""
+
+from .availability import describe, triton_available, use_fused
+from .linear import linear_clipped_grad, linear_sq_norms, weight_sq_norm
+from .ops import clipped_grad_linear, ghost_norm_linear, per_sample_norm_linear
+
+__all__ = [
+    "clipped_grad_linear",
+    "describe",
+    "ghost_norm_linear",
+    "linear_clipped_grad",
+    "linear_sq_norms",
+    "per_sample_norm_linear",
+    "triton_available",
+    "use_fused",
+    "weight_sq_norm",
+]

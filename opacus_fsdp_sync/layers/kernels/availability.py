@@ -1,0 +1,89 @@
+"""Whether the fused kernels can run, and whether they should for a given layer's tensors.
+
+Triton is a dependency only where CUDA is (PyTorch's CUDA wheels bring it): this module never
+imports it at import time, so the package imports and falls back to the torch path without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Dtypes the kernels take (others, fp64 included, keep the torch path).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (checked once, by import)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - a broken install is the same as none
+        logger.info("[Ghost] triton is installed but does not import (%s): torch path", error)
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def can_launch(*tensors: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``tensors``: CUDA, or CPU under the interpreter."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return False
+    (device,) = devices
+    on_device = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    return on_device and triton_available()  # the import is tried only where it can matter
+
+
+def use_fused(option: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether the ``Linear`` room takes the fused kernels for ``tensors``.
+
+    Args:
+        option: :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels`: None (automatic)
+            on CUDA tensors when Triton imports; True also on CPU under Triton's interpreter
+            (``TRITON_INTERPRET=1``, for tests); False never.
+        *tensors: The layer input and output gradient (local tensors).
+
+    Returns:
+        True when the kernels apply: a supported dtype (fp32, bf16, fp16) on a device where
+        Triton can launch them.
+    """
+    if option is False or not tensors or not all(t.dtype in DTYPES for t in tensors):
+        return False
+    if tensors[0].device.type != "cuda" and option is not True:
+        return False
+    return can_launch(*tensors)
+
+
+def describe(option: bool | None, device: torch.device) -> str:
+    """One log phrase: whether the fused kernels run for a model on ``device``, and why.
+
+    Raises:
+        ValueError: ``option`` is True and Triton does not import.
+    """
+    if option is True and not triton_available():
+        raise ValueError(
+            "fused_kernels=True needs triton, which does not import here: install it (CUDA "
+            "wheels of torch bring it; `pip install -e .[kernels-test]` for the CPU "
+            "interpreter) or leave fused_kernels=None"
+        )
+    if option is False:
+        return "torch path (fused_kernels=False)"
+    if device.type != "cuda" and not (option is True and interpreting()):
+        return f"torch path (fused_kernels={option}: {device.type} is not CUDA)"
+    if not triton_available():
+        return "torch path (fused_kernels=None: triton does not import)"
+    return f"fused Triton kernels (fused_kernels={option}, {device.type})"
