@@ -1,0 +1,152 @@
+"""``DPTrainer`` on one process: exactness, noise, epsilon, batch mapping, refusals.
+
+Poisson sampling is on in every test (the DP trainer has no other sampler). Tests that compare
+against a reference pass ``dp_seed``, the explicit opt-in to reproducible draws and noise: the
+reference must see the same draws (read back from the sampler) as the trainer.
+"""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+from opacus.accountants import PRVAccountant  # noqa: E402
+from transformers import default_data_collator  # noqa: E402
+
+from opacus_fsdp_sync.errors import UnsupportedConfigurationError  # noqa: E402
+from opacus_fsdp_sync.integrations.transformers import DPArguments, DPTrainer  # noqa: E402
+
+from .hf_common import records, reference_sgd, tiny_llama, training_arguments  # noqa: E402
+
+
+def _trainer(tmp_path, dp, model=None, data=None, **overrides):
+    return DPTrainer(
+        model=model if model is not None else tiny_llama(0),
+        args=training_arguments(tmp_path, **overrides),
+        train_dataset=data if data is not None else records(24),
+        data_collator=default_data_collator,
+        dp_args=dp,
+    )
+
+
+def test_update_equals_the_clip_each_sample_loop(tmp_path):
+    """Noise 0: two logical steps (physical batches of 3) equal the oracle within 1e-6."""
+    model, data = tiny_llama(0), records(24)
+    ref = copy.deepcopy(model)
+    dp = DPArguments(
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        logical_batch_size=8,
+        max_physical_batch_size=3,
+        dp_seed=3,  # the reference replays the trainer's draws
+    )
+    trainer = _trainer(tmp_path, dp, model=model, data=data, max_steps=2)
+    trainer.train()
+    session = trainer.dp_session
+    draws = [session.sampler.global_draw(t).tolist() for t in range(2)]
+    assert max(len(d) for d in draws) > 3  # some step ran several physical batches
+    expected = session.optimizer.expected_batch_size
+    assert expected == 8
+    clipped = reference_sgd(ref, data, draws, expected=expected, C=0.05, lr=0.5)
+    assert clipped > 0  # clipping bit
+    err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), tiny_llama(0).parameters())
+    )
+    assert err < 1e-6 < moved * 1e-2, (err, moved)
+    assert session.engine.optimizer_steps == 2 and session.steps_counted == 2
+
+
+def test_noise_is_calibrated(tmp_path):
+    """With C tiny the update is the noise: per-coordinate std of the step is lr sigma C / B."""
+    model = tiny_llama(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    sigma, C, lr = 2.0, 1e-6, 1.0
+    dp = DPArguments(noise_multiplier=sigma, max_grad_norm=C, logical_batch_size=8)
+    trainer = _trainer(tmp_path, dp, model=model, max_steps=1, learning_rate=lr)
+    trainer.train()
+    step = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    B = trainer.dp_session.optimizer.expected_batch_size
+    ratio = step.std().item() / (lr * sigma * C / B)
+    assert step.numel() > 40_000 and 0.98 < ratio < 1.02, ratio
+    assert abs(step.mean().item()) < 0.02 * step.std().item()
+
+
+def test_reported_epsilon_is_the_accountants_for_the_steps_taken(tmp_path):
+    dp = DPArguments(target_epsilon=4.0, delta=1e-5, max_grad_norm=1.0, logical_batch_size=8)
+    trainer = _trainer(tmp_path, dp, max_steps=3)
+    trainer.train()
+    session = trainer.dp_session
+    hand = PRVAccountant()
+    hand.history = [(session.noise_multiplier, 1 / 3, 3)]  # q = 1 / ceil(24 / 8)
+    eps = hand.get_epsilon(1e-5)
+    logged = [r["epsilon"] for r in trainer.state.log_history if "epsilon" in r]
+    assert len(logged) == 4  # every step's log line and the final one
+    assert logged[-1] == pytest.approx(eps, rel=1e-9) and eps <= 4.0
+    assert trainer.epsilon == pytest.approx(eps, rel=1e-9)
+    assert logged[0] < logged[1] < logged[2]
+
+
+def test_gradient_accumulation_is_folded_into_the_logical_batch(tmp_path):
+    dp = DPArguments(noise_multiplier=1.0)
+    trainer = _trainer(tmp_path, dp, per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    assert trainer.dp_batches.logical_batch_size == 6
+    assert trainer.dp_batches.max_physical_batch_size == 3
+    assert trainer.args.gradient_accumulation_steps == 1 and trainer.args.max_grad_norm == 0
+    with pytest.raises(UnsupportedConfigurationError, match="gradient_accumulation_steps=2"):
+        _trainer(
+            tmp_path,
+            DPArguments(noise_multiplier=1.0, logical_batch_size=8),
+            gradient_accumulation_steps=2,
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy"),
+        ({"train_sampling_strategy": "sequential"}, "train_sampling_strategy"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+        ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+    ],
+)
+def test_refused_arguments(tmp_path, overrides, match):
+    with pytest.raises(UnsupportedConfigurationError, match=match):
+        _trainer(tmp_path, DPArguments(target_epsilon=8.0), **overrides)
+
+
+def test_refused_samplers_losses_and_data(tmp_path):
+    class Reordering(DPTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    with pytest.raises(UnsupportedConfigurationError, match="_get_train_sampler is overridden"):
+        Reordering(
+            model=tiny_llama(0),
+            args=training_arguments(tmp_path),
+            train_dataset=records(8),
+            data_collator=default_data_collator,
+            dp_args=DPArguments(target_epsilon=8.0),
+        )
+    with pytest.raises(UnsupportedConfigurationError, match="compute_loss_func"):
+        DPTrainer(
+            model=tiny_llama(0),
+            args=training_arguments(tmp_path),
+            train_dataset=records(8),
+            data_collator=default_data_collator,
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
+            dp_args=DPArguments(target_epsilon=8.0),
+        )
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(records(8))
+
+    with pytest.raises(UnsupportedConfigurationError, match="iterable training set"):
+        _trainer(tmp_path, DPArguments(target_epsilon=8.0), data=Stream())
+    with pytest.raises(ValueError, match="exactly one of target_epsilon and noise_multiplier"):
+        DPArguments(target_epsilon=8.0, noise_multiplier=1.0)
