@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from tests.hf_common import records, tiny_llama, training_arguments
 
 warnings.filterwarnings("ignore")
