@@ -84,12 +84,18 @@ class DPTrainerMixin:
         UnsupportedConfigurationError: for a setting DP cannot honour (see :mod:`.refusals`).
     """
 
+    #: Turn off activation checkpointing when the arguments have it on, instead of refusing
+    #: it (TRL's ``SFTConfig`` turns it on by default; a Trainer user turns it on by choice).
+    dp_checkpointing_off_by_default = False
+
     def __init__(self, *args, dp_args: DPArguments, **kwargs):
         if not isinstance(dp_args, DPArguments):
             raise TypeError(f"dp_args must be DPArguments, got {type(dp_args).__name__}")
         args, kwargs = _copy_arguments(args, kwargs)
         super().__init__(*args, **kwargs)
         self.dp_args = dp_args
+        if self.dp_checkpointing_off_by_default:
+            self._turn_off_checkpointing()
         check_training_arguments(self.args)
         check_parallelism(self.accelerator)
         check_trainer(
@@ -109,6 +115,19 @@ class DPTrainerMixin:
             # the model owns its placement and reduction, as a model sharded at load time does:
             # accelerate then neither moves nor wraps it in DDP
             self.is_distributed_loading_by_transformers = True
+
+    def _turn_off_checkpointing(self) -> None:
+        names = ("gradient_checkpointing", "activation_checkpointing")
+        if any(getattr(self.args, name, False) for name in names):
+            logger.warning(
+                "[Ghost] activation checkpointing off (on by default in %s): recomputed "
+                "forwards would fire the per-layer norm hooks twice; memory is bounded by "
+                "max_physical_batch_size instead",
+                type(self.args).__name__,
+            )
+            for name in names:
+                if hasattr(self.args, name):
+                    setattr(self.args, name, False)
 
     def _map_arguments(self) -> None:
         args, plan = self.args, self.dp_batches

@@ -3,6 +3,7 @@
 TRL prepares the data (chat templates, prompt/completion records, completion-only and
 assistant-only labels, truncation to ``max_length``) as usual; each record stays one example.
 Packing and padding-free batches are refused (several records in one example).
+Activation checkpointing, on by default in ``SFTConfig``, is turned off (logged).
 """
 
 from __future__ import annotations
@@ -25,3 +26,5 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         dp_args: The DP arguments.
         **kwargs: ``SFTTrainer``'s keyword arguments.
     """
+
+    dp_checkpointing_off_by_default = True
