@@ -4,12 +4,15 @@ Poisson sampling is on (the shared draw over both ranks). ``dp_seed`` is the exp
 that lets the one-process reference, and the resumed run, replay the same draws and noise.
 """
 
+import json
+
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import default_data_collator  # noqa: E402
+from transformers import AutoModelForCausalLM, default_data_collator  # noqa: E402
 
 from opacus_fsdp_sync.integrations.transformers import DPArguments, DPTrainer  # noqa: E402
 from opacus_fsdp_sync.sharding.dp_state import CheckpointMismatchError  # noqa: E402
@@ -39,6 +42,9 @@ def test_two_ranks_equal_the_clip_each_sample_loop(tmp_path, layout):
     err = max((result["state"][k] - v).abs().max().item() for k, v in ref.state_dict().items())
     moved = max((result["state"][k] - v).abs().max().item() for k, v in before.items())
     assert err < 1e-6 < moved * 1e-2, (err, moved)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in result["state"].items())
+    assert json.loads((tmp_path / "model" / "privacy.json").read_text())["steps"] == 2
 
     if layout == "ddp":  # its checkpoint on one process: another layout, refused
         trainer = DPTrainer(

@@ -6,6 +6,7 @@ reference must see the same draws (read back from the sampler) as the trainer.
 """
 
 import copy
+import json
 
 import pytest
 
@@ -195,3 +196,36 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
         return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
     assert losses(resumed) == losses(straight)  # the saved history, then steps 3 and 4
+
+
+def test_save_model_writes_a_from_pretrained_model_and_its_privacy_record(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(tmp_path, DPArguments(target_epsilon=8.0, logical_batch_size=8))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "model"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    trained = trainer.model.state_dict()
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    record = json.loads((tmp_path / "model" / "privacy.json").read_text())
+    assert record["epsilon"] == pytest.approx(trainer.epsilon) and record["epsilon"] <= 8.0
+    assert record["steps"] == 2 and record["accountant"] == "prv"
+
+
+def test_save_model_writes_a_peft_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(tiny_llama(0), config)
+    model_before = {k: v.clone() for k, v in model.state_dict().items()}
+    dp = DPArguments(noise_multiplier=1.0, max_grad_norm=0.1, logical_batch_size=8)
+    trainer = _trainer(tmp_path, dp, model=model, learning_rate=1e-2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(0), tmp_path / "adapter").state_dict()
+    trained = trainer.model.state_dict()
+    lora = [k for k in trained if "lora_" in k]
+    assert lora and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    assert any(not torch.equal(trained[k], model_before[k]) for k in lora)  # trained

@@ -53,6 +53,7 @@ def trainer_exactness(rank, world, out, layout, steps):
         dp_args=_dp(),
     )
     trainer.train()
+    trainer.save_model(f"{out}/model")  # every rank: the shards are gathered to rank 0
     session = trainer.dp_session
     state = full_state_dict(session.module)
     return {
