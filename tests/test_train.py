@@ -4,8 +4,8 @@ Poisson sampling is on (the trainer's default).
 """
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 
