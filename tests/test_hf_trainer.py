@@ -229,3 +229,13 @@ def test_save_model_writes_a_peft_adapter(tmp_path):
     lora = [k for k in trained if "lora_" in k]
     assert lora and all(torch.equal(loaded[k], trained[k]) for k in trained)
     assert any(not torch.equal(trained[k], model_before[k]) for k in lora)  # trained
+
+
+def test_a_one_process_trainer_inside_a_process_group_of_two_is_refused(tmp_path, monkeypatch):
+    """torchrun on CPU without use_cpu=True: every rank would train its own model."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(UnsupportedConfigurationError, match="use_cpu=True"):
+        _trainer(tmp_path, DPArguments(target_epsilon=8.0))

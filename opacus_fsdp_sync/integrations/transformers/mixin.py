@@ -46,6 +46,7 @@ from .refusals import (
     check_parallelism,
     check_trainer,
     check_training_arguments,
+    check_world,
     plan_batches,
 )
 from .session import DPSession, make_session
@@ -97,6 +98,7 @@ class DPTrainerMixin:
         if self.dp_checkpointing_off_by_default:
             self._turn_off_checkpointing()
         check_training_arguments(self.args)
+        check_world(self.args)
         check_parallelism(self.accelerator)
         check_trainer(
             self,
@@ -207,6 +209,7 @@ class DPTrainerMixin:
         inner = self.optimizer
         if isinstance(inner, AcceleratedOptimizer):
             inner = inner.optimizer
+        model.train()  # an evaluate() before train() leaves it in eval mode
         session = make_session(
             model=model,
             optimizer=inner,

@@ -122,6 +122,27 @@ def check_training_arguments(args) -> None:
         )
 
 
+def check_world(args) -> None:
+    """Refuses a Trainer that runs as one process inside a process group of several ranks.
+
+    Under ``torchrun`` on CPU, ``TrainingArguments`` without ``use_cpu=True`` see one process
+    while the process group has several: every rank would then train alone, each releasing
+    its own noisy model of the same data.
+
+    Raises:
+        UnsupportedConfigurationError: naming both sizes.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and args.world_size != world:
+        raise UnsupportedConfigurationError(
+            f"the process group has {world} ranks but the Trainer runs on {args.world_size} "
+            "(TrainingArguments.world_size): every rank would train its own model on the same "
+            "data. On CPU under torchrun, pass use_cpu=True."
+        )
+
+
 def check_parallelism(accelerator) -> None:
     """Refuses tensor, context and sequence parallelism from accelerate's parallelism config.
 
