@@ -45,6 +45,7 @@ from .loss import is_causal_lm, per_example_loss
 from .refusals import (
     check_parallelism,
     check_trainer,
+    check_trainer_version,
     check_training_arguments,
     check_world,
     plan_batches,
@@ -92,6 +93,7 @@ class DPTrainerMixin:
     def __init__(self, *args, dp_args: DPArguments, **kwargs):
         if not isinstance(dp_args, DPArguments):
             raise TypeError(f"dp_args must be DPArguments, got {type(dp_args).__name__}")
+        check_trainer_version()
         args, kwargs = _copy_arguments(args, kwargs)
         super().__init__(*args, **kwargs)
         self.dp_args = dp_args
@@ -257,6 +259,11 @@ class DPTrainerMixin:
             The mean per-example loss of this rank's examples (not private).
         """
         session = self.dp_session
+        if session is None:
+            raise RuntimeError(
+                "training_step before the model was made private: the Trainer did not call "
+                "_prepare_for_training (another transformers release?)"
+            )
         opt = session.optimizer
         model.train()
         opt.zero_grad(set_to_none=True)

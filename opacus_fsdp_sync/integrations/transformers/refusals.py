@@ -114,11 +114,43 @@ def check_training_arguments(args) -> None:
             f"n_gpu={args.n_gpu} (torch.nn.DataParallel): launch one process per device "
             "(torchrun) for DDP or FSDP2."
         )
-    if args.fsdp and "2" not in str((args.fsdp_config or {}).get("fsdp_version", 1)):
+    fsdp_config = args.fsdp_config or {}
+    if args.fsdp and str(fsdp_config.get("version", fsdp_config.get("fsdp_version", 1))) != "2":
         raise UnsupportedConfigurationError(
             "fsdp with fsdp_version 1 (accelerate's FSDP1 plugin) is not supported by the DP "
-            "trainer: set fsdp_config={'fsdp_version': 2}, or shard the model with "
+            "trainer: set fsdp_config={'version': 2}, or shard the model with "
             "fully_shard yourself before handing it to the Trainer."
+        )
+
+
+#: The Trainer's private methods the DP trainer overrides (checked on transformers 5.24): if a
+#: release renames one, its override would silently never run.
+TRAINER_HOOKS = (
+    "_prepare_for_training",
+    "_get_grad_norm",
+    "_track_num_input_tokens",
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_remove_unused_columns",
+    "_get_collator_with_removed_columns",
+)
+
+
+def check_trainer_version() -> None:
+    """Refuses a transformers release whose Trainer lacks a method the DP trainer overrides.
+
+    Raises:
+        UnsupportedConfigurationError: naming the missing methods and the release.
+    """
+    import transformers
+
+    missing = [name for name in TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
+    if missing:
+        raise UnsupportedConfigurationError(
+            f"transformers {transformers.__version__}: Trainer has no {', '.join(missing)}, "
+            "which the DP trainer overrides (checked on transformers 5.24); install the [hf] "
+            "extra's transformers."
         )
 
 
