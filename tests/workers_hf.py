@@ -33,8 +33,8 @@ def _dp(**overrides):
     return DPArguments(**kwargs)
 
 
-def trainer_exactness(rank, world, out, layout, steps):
-    """Trains ``steps`` noise-free steps; returns the full weights, the draws and the divisor."""
+def trainer_exactness(rank, world, out, layout, steps, logical):
+    """Trains ``steps`` noise-free steps, evaluates; returns the weights, draws and divisor."""
     from transformers import default_data_collator
 
     from opacus_fsdp_sync.integrations.transformers import DPTrainer
@@ -49,10 +49,12 @@ def trainer_exactness(rank, world, out, layout, steps):
         model=model,
         args=args,
         train_dataset=records(24),
+        eval_dataset=records(6, seed=9),
         data_collator=default_data_collator,
-        dp_args=_dp(),
+        dp_args=_dp(logical_batch_size=logical),
     )
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]  # a forward outside the private step
     trainer.save_model(f"{out}/model")  # every rank: the shards are gathered to rank 0
     session = trainer.dp_session
     state = full_state_dict(session.module)
@@ -63,4 +65,5 @@ def trainer_exactness(rank, world, out, layout, steps):
         "expected": session.optimizer.expected_batch_size * world,
         "steps": session.engine.optimizer_steps,
         "counted": session.steps_counted,
+        "eval_loss": eval_loss,
     }

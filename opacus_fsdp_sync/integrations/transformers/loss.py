@@ -49,7 +49,9 @@ def per_example_loss(criterion, logits: torch.Tensor, labels: torch.Tensor, *, c
     """
     if logits.dim() == 2:
         return criterion(logits, labels)
-    if labels.shape != logits.shape[:2]:
+    # rows may differ: an empty batch's forward runs on a stand-in example (its loss is
+    # weighted zero by the criterion, whatever the empty labels)
+    if labels.dim() != 2 or labels.shape[1] != logits.shape[1]:
         raise ValueError(
             f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
             "expected one label per token, as Hugging Face collators produce"
