@@ -61,21 +61,9 @@ def _dp(**overrides):
     return DPArguments(**kwargs)
 
 
-def test_completion_only_update_equals_the_clip_each_sample_loop(tmp_path):
-    model = tiny_llama(0)
-    ref = copy.deepcopy(model)
-    trainer = DPSFTTrainer(
-        model=model,
-        args=_config(tmp_path),
-        train_dataset=_records(),
-        processing_class=char_tokenizer(),
-        dp_args=_dp(),
-    )
-    assert not trainer.args.gradient_checkpointing  # TRL's default, turned off
+def _exact(trainer, model, ref):
+    """Trains 2 steps; the update equals the oracle on the rows TRL prepared (1e-6)."""
     rows = list(trainer.train_dataset)
-    prompt_tokens = len(char_tokenizer()(rows[0]["prompt"])["input_ids"])
-    assert rows[0]["labels"][:prompt_tokens] == [-100] * prompt_tokens  # completion only
-    assert all(t != -100 for t in rows[0]["labels"][prompt_tokens:])
     trainer.train()
     session = trainer.dp_session
     draws = [session.sampler.global_draw(t).tolist() for t in range(2)]
@@ -94,7 +82,63 @@ def test_completion_only_update_equals_the_clip_each_sample_loop(tmp_path):
     assert clipped > 0
     err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     assert err < 1e-6, err
+
+
+def test_completion_only_update_equals_the_clip_each_sample_loop(tmp_path):
+    model = tiny_llama(0)
+    ref = copy.deepcopy(model)
+    trainer = DPSFTTrainer(
+        model=model,
+        args=_config(tmp_path),
+        train_dataset=_records(),
+        processing_class=char_tokenizer(),
+        dp_args=_dp(),
+    )
+    assert not trainer.args.gradient_checkpointing  # TRL's default, turned off
+    row = trainer.train_dataset[0]
+    prompt_tokens = len(char_tokenizer()(row["prompt"])["input_ids"])
+    assert row["labels"][:prompt_tokens] == [-100] * prompt_tokens  # completion only
+    assert all(t != -100 for t in row["labels"][prompt_tokens:])
+    _exact(trainer, model, ref)
     assert [r["epsilon"] for r in trainer.state.log_history][-1] == float("inf")
+
+
+#: A chat template that marks the assistant's turns for TRL's assistant-only labels.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'A: ' }}{% generation %}"
+    "{{ m['content'] + eos_token }}{% endgeneration %}{% else %}"
+    "{{ 'U: ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}"
+)
+
+
+def test_assistant_only_update_equals_the_clip_each_sample_loop(tmp_path):
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"add {i} and {i}"},
+                {"role": "assistant", "content": str(2 * i)},
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+        for i in range(20)
+    ]
+    model = tiny_llama(0)
+    ref = copy.deepcopy(model)
+    trainer = DPSFTTrainer(
+        model=model,
+        args=_config(tmp_path, assistant_only_loss=True, max_length=60),
+        train_dataset=datasets.Dataset.from_list(chats),
+        processing_class=tokenizer,
+        dp_args=_dp(),
+    )
+    row = trainer.train_dataset[0]
+    trained = tokenizer.decode([t for t in row["labels"] if t != -100])
+    assert trained == "0[EOS]ok[EOS]"  # both assistant turns, no user turn, no header
+    _exact(trainer, model, ref)
 
 
 @pytest.mark.parametrize(
