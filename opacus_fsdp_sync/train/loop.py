@@ -252,7 +252,9 @@ def train(cfg: TrainConfig) -> dict:
         )
     metrics = (out / "metrics.jsonl").open("a") if rank == 0 else None
     board = MetricsWriter(out, enabled=cfg.tensorboard and rank == 0)
-    last_epsilon = float("nan")
+    # the bar's epsilon and the step it is of: the engine's accountant at the last evaluation
+    # (a PRV epsilon takes 0.1-0.3 s, too slow for every step), at the start, or at a resume
+    last_epsilon, epsilon_step = (epsilon_now() if step else 0.0), step
     if step == 0:  # where the held-out loss starts
         first = heldout_loss(cfg, gsm, heldout, device)
         if metrics is not None:
@@ -290,9 +292,8 @@ def train(cfg: TrainConfig) -> dict:
             if step % cfg.eval_every == 0 or step == total_steps:
                 last_heldout = heldout_loss(cfg, gsm, heldout, device)
                 row["heldout_loss"] = last_heldout
-                # the bar shows it until the next evaluation: the engine's own accountant, as
-                # the end reports (a PRV epsilon takes 0.1-0.3 s, too slow for every step)
                 row["epsilon"] = last_epsilon = epsilon_now()
+                epsilon_step = step
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -314,7 +315,7 @@ def train(cfg: TrainConfig) -> dict:
                 save(out / f"model-step{step:06d}", step)
             bar.set_postfix(
                 loss=f"{row['train_loss']:.3f}",
-                eps=f"{last_epsilon:.2f}",
+                eps=f"{last_epsilon:.2f}@{epsilon_step}",
                 tok_s=f"{tokens * world / max(step_ms, 1e-6) * 1e3:.0f}",
                 ms=f"{step_ms:.0f}",
             )
