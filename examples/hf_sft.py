@@ -22,6 +22,7 @@ from datasets import Dataset
 from trl import SFTConfig
 
 from opacus_fsdp_sync.integrations.transformers import DPArguments, DPSFTTrainer  # DP
+from opacus_fsdp_sync.known_warnings import quiet_known_warnings
 from opacus_fsdp_sync.models.llama import LlamaSpec, build_llama
 from opacus_fsdp_sync.models.tokenizer import char_tokenizer
 
@@ -41,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     """Trains, evaluates, saves the model; returns the last log line."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    quiet_known_warnings()  # three warnings harmless here (docs/train.md, "Warnings silenced")
     torch.manual_seed(0)  # the model's initialisation only: DP draws come from OS entropy
     model = build_llama(LlamaSpec(preset="tiny"))
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
