@@ -42,10 +42,15 @@ def records(n: int = 24, seed: int = 1) -> list[dict]:
 
 
 def example_loss(model, row: dict) -> torch.Tensor:
-    """One record's loss: mean next-token cross-entropy over its trained tokens."""
+    """One record's loss: mean next-token cross-entropy over its trained tokens.
+
+    A record with one class label: the cross-entropy of the sequence's class logits.
+    """
     ids = torch.tensor([row["input_ids"]])
     mask = torch.tensor([row["attention_mask"]])
     labels = torch.tensor([row["labels"]])
+    if labels.dim() == 1:
+        return nn.functional.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels)
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     return nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100

@@ -59,6 +59,34 @@ def test_update_equals_the_clip_each_sample_loop(tmp_path):
     )
     assert err < 1e-6 < moved * 1e-2, (err, moved)
     assert session.engine.optimizer_steps == 2 and session.steps_counted == 2
+    with pytest.raises(RuntimeError, match="trains once"):
+        trainer.train()
+
+
+def test_sequence_classification_update_equals_the_clip_each_sample_loop(tmp_path):
+    """One loss per example from the class logits (no shift); padding at the end."""
+    from opacus_fsdp_sync.models.llama import LlamaSpec, build_llama
+
+    torch.manual_seed(0)
+    model = build_llama(LlamaSpec(preset="tiny", task="seq_cls", num_labels=3))
+    ref = copy.deepcopy(model)
+    data = [dict(r, labels=i % 3) for i, r in enumerate(records(24))]
+    dp = DPArguments(
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        logical_batch_size=8,
+        max_physical_batch_size=3,
+        dp_seed=3,  # the reference replays the trainer's draws
+    )
+    trainer = _trainer(tmp_path, dp, model=model, data=data, max_steps=2)
+    assert not trainer._dp_causal
+    trainer.train()
+    session = trainer.dp_session
+    draws = [session.sampler.global_draw(t).tolist() for t in range(2)]
+    expected = session.optimizer.expected_batch_size
+    assert reference_sgd(ref, data, draws, expected=expected, C=0.05, lr=0.5) > 0
+    err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    assert err < 1e-6, err
 
 
 def test_noise_is_calibrated(tmp_path):

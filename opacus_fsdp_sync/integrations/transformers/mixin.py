@@ -153,6 +153,12 @@ class DPTrainerMixin:
             )
             args.max_grad_norm = 0.0
         args.ignore_data_skip = True  # a resume continues the sampler's own state
+        if args.dataloader_num_workers:
+            logger.info(
+                "[Ghost] dataloader_num_workers=%d not used: each logical batch is drawn and "
+                "collated when the step asks for it (a prefetched draw would be counted unused)",
+                args.dataloader_num_workers,
+            )
         logger.info(
             "[Ghost] DP batches: expected logical batch %d over %d rank(s), physical batches "
             "of at most %d per rank",
