@@ -64,3 +64,16 @@ def test_two_ranks_equal_the_clip_each_sample_loop(tmp_path, layout, logical):
         )
         with pytest.raises(CheckpointMismatchError, match="another layout"):
             trainer.train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{steps}"))
+
+
+def test_lora_on_user_built_fsdp2_with_dp_sft_trainer_saves_an_adapter(tmp_path):
+    """The docs' Llama recipe in small (tiny preset, 2 ranks): trains, reports, saves."""
+    pytest.importorskip("trl", reason="TRL is the [trl] extra")
+    peft = pytest.importorskip("peft")
+    result = run_ranks(workers_hf.lora_fsdp2_sft, 2, str(tmp_path), timeout=300)[0]
+    assert result["api"] == "fsdp2" and 7.0 < result["epsilon"] <= 8.0
+    record = json.loads((tmp_path / "adapter" / "privacy.json").read_text())
+    assert record["epsilon"] == result["epsilon"] and record["steps"] == 3
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(0), tmp_path / "adapter").state_dict()
+    lora_b = [v for k, v in loaded.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # trained (LoRA B starts at 0)

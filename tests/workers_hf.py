@@ -67,3 +67,48 @@ def trainer_exactness(rank, world, out, layout, steps, logical):
         "counted": session.steps_counted,
         "eval_loss": eval_loss,
     }
+
+
+def lora_fsdp2_sft(rank, world, out):
+    """The docs' recipe in small: LoRA, FSDP2 by the user, DPSFTTrainer, a target epsilon."""
+    import json
+    from pathlib import Path
+
+    import peft
+    from datasets import Dataset
+    from torch.distributed.fsdp import fully_shard
+    from trl import SFTConfig
+
+    from opacus_fsdp_sync.integrations.transformers import DPArguments, DPSFTTrainer
+    from opacus_fsdp_sync.models.tokenizer import char_tokenizer
+
+    model = peft.get_peft_model(
+        tiny_llama(0), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "instruct_tiny.jsonl"
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    config = SFTConfig(
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_length=40,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = DPSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=char_tokenizer(),
+        dp_args=DPArguments(target_epsilon=8.0, logical_batch_size=8),
+    )
+    trainer.train()
+    trainer.save_model(f"{out}/adapter")
+    return {"api": trainer.dp_session.engine.distributed_api, "epsilon": trainer.epsilon}
