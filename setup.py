@@ -23,11 +23,16 @@ setup(
         # The fused kernels' tests under Triton's CPU interpreter; CUDA wheels of torch bring
         # their own triton, which the kernels use.
         "kernels-test": ["triton==3.9.0"],
+        # the DP trainers (opacus_fsdp_sync.integrations.transformers): checked on these releases
+        "hf": ["transformers>=5.24,<6", "accelerate>=1.15"],
+        "trl": ["trl>=1.16,<2", "transformers>=5.24,<6", "accelerate>=1.15", "datasets"],
         "dev": [
             "pytest>=7",
             "pytest-timeout",
             "ruff",
-            "transformers>=4.45",
+            "transformers>=5.24,<6",
+            "accelerate>=1.15",
+            "trl>=1.16,<2",
             "matplotlib",
             "peft>=0.13",
             "datasets",

@@ -5,6 +5,7 @@ Poisson sampling is on (the trainer's default).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -234,6 +235,11 @@ def test_committed_run_file_trains_and_exports(tmp_path):
     for step in (2, 4):
         assert f"[Ghost] checkpoint: saved step {step} to {ckpts}/step{step:06d} (kept 1)" in stdout
     assert summary["config"]["target_epsilon"] == 8.0 and summary["epsilon"] <= 8.0 + 1e-6
+    # the progress bar's epsilon comes from the accountant the end reports (it once showed an
+    # RDP 9.24 beside a PRV 7.996 against the target 8)
+    shown = re.findall(r"eps=([0-9.]+)@(\d+)", stdout)
+    assert shown and shown[-1] == (f"{summary['epsilon']:.2f}", "4"), (shown, summary["epsilon"])
+    assert rows[-1]["epsilon"] == summary["epsilon"]
     assert rows[-1]["heldout_loss"] > 0
     assert (tmp_path / "model" / "model.safetensors").is_file()
     assert (tmp_path / "model" / "privacy.json").is_file()
