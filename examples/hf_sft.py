@@ -36,6 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=float, default=20.0, help="passes over the records")
     parser.add_argument("--max-steps", type=int, default=-1, help="cap on the steps (-1: none)")
     parser.add_argument("--target-epsilon", type=float, default=8.0)
+    parser.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="shard with accelerate's FSDP2 plugin (GPUs; on CPU accelerate runs DDP instead)",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,6 +71,9 @@ def main(argv=None) -> dict:
         bf16=False,  # fp32 on CPU
         use_cpu=not torch.cuda.is_available(),  # torchrun on CPU: one rank per process
         disable_tqdm=True,
+        # accelerate's FSDP2 plugin (the GPU campaign's hf_fsdp part checks this path)
+        fsdp="full_shard" if args.fsdp else "",
+        fsdp_config={"version": 2} if args.fsdp else None,
     )
     trainer = DPSFTTrainer(  # DP: was SFTTrainer
         model=model,

@@ -230,7 +230,10 @@ def test_committed_run_file_trains_and_exports(tmp_path):
     assert summary["steps"] == 4 and summary["record_kind"] == "prompt/completion"
     # the file checkpoints every 2 steps; --keep-last 1 leaves the newest only
     ckpts = tmp_path / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step000004"]
+    names = sorted(p.name for p in ckpts.iterdir())
+    # the draw ledger beside the checkpoints: how far the run went, for a fresh_noise resume
+    assert len(names) == 3 and re.fullmatch(r"dp_draws_[0-9a-f]{16}\.json", names[0]), names
+    assert names[1:] == ["latest", "step000004"]
     assert (ckpts / "latest").read_text() == "step000004"
     for step in (2, 4):
         assert f"[Ghost] checkpoint: saved step {step} to {ckpts}/step{step:06d} (kept 1)" in stdout

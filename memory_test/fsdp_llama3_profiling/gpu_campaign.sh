@@ -1,36 +1,52 @@
 #!/usr/bin/env bash
-# The whole GPU measurement in one command (issue 19): on one GPU, about 8 minutes (estimate
-# below), well under 25 minutes of device time.
-#   1. suite:   the profiling suite's rows at batch 8, seq 1024: no_dp, upstream ghost_fsdp, the
-#               default (ghost_fsdp_one_backward, tune_norms="auto" = on for GPUs) and the
-#               default with tuning off (ghost_fsdp_one_backward_untuned);
-#   2. gram:    gram_blocks.py, the Linear ghost norms of one decoder block per gram_block;
-#   3. profile: a torch.profiler per-op table and Chrome trace of one default step.
+# The whole GPU measurement in one command: on one GPU, about 25 minutes at the defaults
+# (estimate below); PARTS, SEQ_LENGTHS and STEPS shorten it.
+#   1. suite:         the profiling suite's rows with a fixed batch (POISSON=0) at batch 8 and
+#                     each of SEQ_LENGTHS: no_dp, upstream ghost_fsdp, the default
+#                     (ghost_fsdp_one_backward, tune_norms="auto" = on for GPUs), the default
+#                     with tuning off (ghost_fsdp_one_backward_untuned) and the default with
+#                     the fused kernels off (ghost_fsdp_one_backward_torch_kernels); each row's
+#                     peak memory is in the suite's summary;
+#   2. poisson:       the same rows with Poisson sampling (compared per example, as the suite
+#                     does: bench/throughput.py);
+#   3. gram:          gram_blocks.py, the Linear ghost norms of one decoder block per gram_block;
+#   4. ledger:        the op ledger (bench/ledger.py) of the same model at the first sequence
+#                     length, one decoder block, on this machine's CPU: bytes, ops and FLOPs per
+#                     phase beside the timings;
+#   5. profile:       a torch.profiler per-op table and Chrome trace of one default step;
+#   6. hf_fsdp:       examples/hf_sft.py through accelerate's FSDP2 plugin (DPSFTTrainer, 20
+#                     steps), the integration path CPU tests cannot take (on CPU accelerate
+#                     wraps DDP instead); its summary line lands in hf_fsdp/summary.json.
 # Results go to results/<hardware>-campaign/ (hardware from nvidia-smi, else torch), with
 # campaign.md naming the hardware, software, commands and each part's wall time.
 # Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
-# ("suite gram profile"), MODEL, BATCH_SIZE, SEQ_LENGTHS, STEPS, WARMUP, NPROC, GRAM_ARGS,
-# PROFILE_STEPS, DRY_RUN=1 (print the commands only).
+# ("suite poisson gram ledger profile hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
+# MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS, DRY_RUN=1 (print the
+# commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
+#   PARTS="suite gram profile"
 #   GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1" OUT=/tmp/x bash gpu_campaign.sh
 #
-# Estimate from the committed H100 runs (results/README.md, gpu-h100-llama3.2-1b-1rank-batch8*):
-# an experiment's own wall time is 10-16 s at batch 8 (8 measured + 3 warm-up + 1 counted step of
-# 0.3-0.65 s, model build and CUDA start), plus 20-40 s for torchrun, imports and teardown: about
-# 1 minute each, 4 minutes for part 1; part 2 times 7 layers x (3 + 4 + 5) blocks x 10 calls at
-# about 1-10 ms each plus start-up (about 1 minute); part 3 is one more experiment (about 1
-# minute). Norm tuning adds a few seconds to the default row's warm-up. Total: about 6-8 minutes.
+# Estimate from the committed H100 and H200 runs: an experiment is about 1 minute at batch 8 and
+# seq 1024 (start-up, 3 warm-up and 8 measured steps), about 1.5 and 3 minutes at 2048 and 4096:
+# 5 modes x 5.5 minutes for each of suite and poisson (about 11 minutes each); gram about
+# 1 minute; the ledger 2-4 minutes; the profile about 1 minute. Memory: at seq 4096 and batch 8
+# the non-private Llama-3.2-1B step alone needs about 4x the activations of seq 1024 (49.8 GB
+# there on an H200); on an 80 GB card run SEQ_LENGTHS="1024 2048" or BATCH_SIZE=4 for 4096.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHON=${PYTHON:-python3}  # run_all_experiments.sh starts the same interpreter
-PARTS=${PARTS:-"suite gram profile"}
+PARTS=${PARTS:-"suite poisson gram ledger profile hf_fsdp"}
 MODEL=${MODEL:-llama3.2-1b}
 BATCH_SIZE=${BATCH_SIZE:-8}
-SEQ_LENGTHS=${SEQ_LENGTHS:-1024}
+SEQ_LENGTHS=${SEQ_LENGTHS:-"1024 2048 4096"}
+MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned ghost_fsdp_one_backward_torch_kernels"}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
 PROFILE_STEPS=${PROFILE_STEPS:-2}
-GRAM_ARGS=${GRAM_ARGS:-"--seq-lengths 512 1024 2048 --blocks 0 64 128 256 512"}
+GRAM_ARGS=${GRAM_ARGS:-"--seq-lengths 512 1024 2048 4096 --blocks 0 64 128 256 512"}
+FIRST_SEQ=${SEQ_LENGTHS%% *}
+LEDGER_ARGS=${LEDGER_ARGS:-"--preset $MODEL --blocks 1 --batch-size 1 --seq-length $FIRST_SEQ --accelerator-norms"}
 DRY_RUN=${DRY_RUN:-0}
 
 hardware() {
@@ -64,20 +80,34 @@ declare -A SECONDS_OF=()
 for part in $PARTS; do
   start=$SECONDS
   case "$part" in
-    suite)
-      run "${NPROC_ARG[@]}" OUT="$OUT/suite" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
-        SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" \
-        MODES="no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned" \
+    suite|poisson)
+      run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
+        SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" MODES="$MODES" \
+        POISSON="$([ "$part" = poisson ] && echo 1 || echo 0)" \
         bash "$HERE/run_all_experiments.sh" ;;
     gram)
       # shellcheck disable=SC2086
       run PYTHONUNBUFFERED=1 "$PYTHON" "$HERE/gram_blocks.py" $GRAM_ARGS --out "$OUT/gram_blocks" ;;
+    ledger)
+      # shellcheck disable=SC2086
+      run PYTHONUNBUFFERED=1 "$PYTHON" -m opacus_fsdp_sync.bench.ledger $LEDGER_ARGS \
+        --out "$OUT/ledger" ;;
     profile)
       run "${NPROC_ARG[@]}" OUT="$OUT/op_profile" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
-        SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$PROFILE_STEPS" WARMUP="$WARMUP" \
+        SEQ_LENGTHS="$FIRST_SEQ" STEPS="$PROFILE_STEPS" WARMUP="$WARMUP" \
         MODES="ghost_fsdp_one_backward" EXTRA_ARGS="--op-profile" \
         bash "$HERE/run_all_experiments.sh" ;;
-    *) echo "PARTS: unknown part '$part' (use suite, gram, profile)"; exit 2 ;;
+    hf_fsdp)
+      cmd=(env PYTHONUNBUFFERED=1 "$PYTHON" -m torch.distributed.run --standalone
+        --nproc-per-node "${NPROC:-1}" "$HERE/../../examples/hf_sft.py" --fsdp --max-steps 20
+        --out "$OUT/hf_fsdp/run")
+      echo "+ ${cmd[*]}"
+      if [ "$DRY_RUN" != 1 ]; then
+        mkdir -p "$OUT/hf_fsdp"
+        "${cmd[@]}" | tee "$OUT/hf_fsdp/log.txt" | tail -n 1 >"$OUT/hf_fsdp/summary.json"
+      fi ;;
+    *) echo "PARTS: unknown part '$part' (use suite, poisson, gram, ledger, profile, hf_fsdp)"
+       exit 2 ;;
   esac
   SECONDS_OF[$part]=$((SECONDS - start))
 done
@@ -97,8 +127,11 @@ PY
   echo
   for part in $PARTS; do echo "- $part: ${SECONDS_OF[$part]} s"; done
   echo
-  [ -f "$OUT/suite/summary.md" ] && { echo "## Suite"; echo; cat "$OUT/suite/summary.md"; echo; }
+  [ -f "$OUT/suite/summary.md" ] && { echo "## Suite, fixed batch"; echo; cat "$OUT/suite/summary.md"; echo; }
+  [ -f "$OUT/poisson/summary.md" ] && { echo "## Suite, Poisson sampling"; echo; cat "$OUT/poisson/summary.md"; echo; }
   [ -f "$OUT/gram_blocks/gram_blocks.md" ] && { echo "## gram_blocks.py"; echo; cat "$OUT/gram_blocks/gram_blocks.md"; echo; }
+  [ -f "$OUT/hf_fsdp/summary.json" ] && { echo "## DPSFTTrainer, accelerate's FSDP2 plugin"; echo; cat "$OUT/hf_fsdp/summary.json"; echo; }
+  for f in "$OUT"/ledger/*.md; do [ -f "$f" ] && { echo "## Op ledger"; echo; cat "$f"; echo; }; done
   ls "$OUT"/op_profile/profiles/*.ops.txt 2>/dev/null | sed 's/^/op profile: /' || true
 } >"$OUT/campaign.md"
 echo "campaign summary: $OUT/campaign.md"
