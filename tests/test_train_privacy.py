@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.train.config import TrainConfig
-from opacus_fsdp_sync.train.loop import _datasets
 from opacus_fsdp_sync.train.privacy import noise_for_target, plan_steps
+from opacus_fsdp_sync.train.session import datasets as _datasets
 
 # PRV bounds its domain with RDP, which warns at small step counts; the epsilon is PRV's.
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
