@@ -9,9 +9,9 @@ autograd's backward on the calling thread, the engine's own work) and files it u
 - ``bytes_read`` / ``bytes_written``: the memory span of each tensor argument and result (a
   broadcast view counts the memory it covers, not its logical size); a result written in place
   counts as written, and as read too unless the op overwrites it (:data:`OVERWRITES`);
-- ``flops``: ``torch.utils.flop_counter``'s formula of the op (matmuls, attention, and any custom
-  op registered with ``register_flop_formula``); a custom op without one is listed in
-  :attr:`OpLedger.unpriced`.
+- ``flops``: ``torch.utils.flop_counter``'s formula of the op (matmuls, their ``out_dtype``
+  overloads, attention, and any custom op registered with ``register_flop_formula``); a custom
+  op without one is listed in :attr:`OpLedger.unpriced`.
 
 Live bytes: every storage a counted op allocates is followed until its last tensor dies (a
 ``weakref.finalize`` per tensor; autograd's saved tensors keep theirs alive). The ledger
@@ -215,7 +215,10 @@ class OpLedger(TorchDispatchMode):
         flops = 0
         packet = func.overloadpacket
         if packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            # the out_dtype overloads (bmm.dtype, ...) pass a dtype positionally where torch's
+            # formulas expect the output shape: the formula gets the tensors only
+            shaped = tuple(a for a in args if not isinstance(a, torch.dtype))
+            flops = int(flop_registry[packet](*shaped, **kwargs, out_val=out))
         elif func.namespace not in TORCH_NAMESPACES:
             self.unpriced.add(str(packet))
         if collective_kind(func) is not None:

@@ -81,21 +81,37 @@ def flop_fraction(t: int, block: int) -> float:
     return sum(w * (t - s) for s, w in row_blocks(t, block)) / (t * t)
 
 
-#: Whether ``torch.bmm(..., out_dtype=)`` ran here for a (device type, dtype): learnt on first use.
+#: Whether ``torch.bmm(..., out_dtype=)`` runs here for a (device type, dtype): learnt on first
+#: use (CUDA: tried; other devices: whether a kernel is registered for their dispatch key).
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _may_have_out_dtype(device: torch.device) -> bool:
+    """Whether to try ``bmm``'s ``out_dtype`` overload on ``device`` (cached by the caller)."""
+    if device.type == "cuda":
+        return True
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::bmm.dtype", device.type.upper()
+        )
+    except RuntimeError:  # a device type without a dispatch key of that name
+        return False
 
 
 def wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x @ y`` (batched) in fp32 for fp16/bf16 inputs, as is for fp32 and fp64.
 
-    On CUDA the matmul accumulates and writes fp32 itself (``out_dtype``); where torch has no
-    such kernel (CPU), its result is widened.
+    On CUDA (and wherever a kernel for ``aten::bmm.dtype`` is registered, as the op ledger
+    does on CPU) the matmul accumulates and writes fp32 itself (``out_dtype``); where torch has
+    no such kernel (CPU), its result is widened.
     """
     wide = torch.promote_types(x.dtype, torch.float32)
     if x.dtype == wide:
         return torch.bmm(x, y)
     key = (x.device.type, x.dtype)
-    if type(x) is torch.Tensor and x.device.type == "cuda" and _OUT_DTYPE.get(key, True):
+    if key not in _OUT_DTYPE:
+        _OUT_DTYPE[key] = _may_have_out_dtype(x.device)
+    if type(x) is torch.Tensor and _OUT_DTYPE[key]:
         try:
             out = torch.bmm(x, y, out_dtype=wide)
             _OUT_DTYPE[key] = True
