@@ -69,6 +69,24 @@ def test_a_broadcast_operand_counts_its_memory_once_and_in_place_counts_as_writt
     assert t.bytes_written == 2 * 4 * 64 * 32
 
 
+def test_a_gather_reads_what_it_selects_and_a_foreach_in_place_op_writes():
+    src, idx = torch.randn(4, 1000), torch.randint(0, 1000, (4, 3))
+    table, ids = torch.randn(1000, 8), torch.randint(0, 1000, (5,))
+    logp, target = torch.randn(6, 1000).log_softmax(1), torch.randint(0, 1000, (6,))
+    xs, ys = [torch.zeros(10), torch.zeros(20)], [torch.ones(10), torch.ones(20)]
+    with OpLedger() as ledger:
+        torch.gather(src, 1, idx)
+        torch.nn.functional.embedding(ids, table)
+        torch.nn.functional.nll_loss(logp, target)
+        torch._foreach_add_(xs, ys, alpha=2.0)
+    ops = ledger.op_totals()
+    assert ops["gather"].bytes_read == 8 * 12 + 4 * 12  # indices, then the 12 selected values
+    assert ops["embedding"].bytes_read == 8 * 5 + 4 * 5 * 8
+    assert ops["nll_loss_forward"].bytes_read == 8 * 6 + 4 * 6
+    t = ops["_foreach_add_"]
+    assert (t.bytes_read, t.bytes_written) == (4 * 60, 4 * 30)
+
+
 def test_live_bytes_follow_tensors_made_inside_and_their_peak():
     x = torch.randn(1000)  # made outside: never counted
     with OpLedger() as ledger:
