@@ -66,9 +66,11 @@ def linear_partial(a, b, x, padding_idx) -> torch.Tensor:
     Reducing the Linear's ``(N, T, V)`` output gradient against the ids of an Embedding use that
     has not fired yet lets that gradient be freed at once.
     """
-    a, b = as_3d(a), as_3d(b)
+    a = as_3d(a)
+    # gathered in b's own dtype, then widened: the (N, T, V) gradient is never copied whole
+    b = b.reshape(b.shape[0], math.prod(b.shape[1:-1]), b.shape[-1])
     ids, mask = token_ids(x, padding_idx)
-    gathered = torch.gather(b, 2, ids.unsqueeze(1).expand(-1, b.shape[1], -1))  # (N, T, S)
+    gathered = torch.gather(b, 2, ids.unsqueeze(1).expand(-1, b.shape[1], -1)).float()  # (N,T,S)
     return torch.einsum("nts,nti->nsi", gathered, a) * mask.unsqueeze(-1)
 
 
