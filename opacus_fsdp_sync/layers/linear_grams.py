@@ -108,17 +108,27 @@ def wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     wide = torch.promote_types(x.dtype, torch.float32)
     if x.dtype == wide:
         return torch.bmm(x, y)
+    out = try_wide_bmm(x, y)
+    return out if out is not None else torch.bmm(x, y).to(wide)
+
+
+def try_wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """``torch.bmm(x, y, out_dtype=fp32)`` of fp16/bf16 operands where a kernel runs, else None.
+
+    For callers whose fallback is not :func:`wide_bmm`'s (a narrow matmul, then widened) but a
+    matmul of widened operands.
+    """
     key = (x.device.type, x.dtype)
     if key not in _OUT_DTYPE:
         _OUT_DTYPE[key] = _may_have_out_dtype(x.device)
     if type(x) is torch.Tensor and _OUT_DTYPE[key]:
         try:
-            out = torch.bmm(x, y, out_dtype=wide)
+            out = torch.bmm(x, y, out_dtype=torch.promote_types(x.dtype, torch.float32))
             _OUT_DTYPE[key] = True
             return out
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE[key] = False
-    return torch.bmm(x, y).to(wide)
+    return None
 
 
 def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
