@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opacus_fsdp_sync.bench.accelerator_ops import accelerator_matmuls, has_cpu_kernel
 from opacus_fsdp_sync.bench.ledger import LedgerConfig, parse_args
 from opacus_fsdp_sync.bench.ledger_report import markdown, ratios
 from opacus_fsdp_sync.bench.op_ledger import OpLedger, op_class
+from opacus_fsdp_sync.layers import linear_grams
+from opacus_fsdp_sync.layers.linear_grams import wide_bmm
 from opacus_fsdp_sync.profiling import phase
 from opacus_fsdp_sync.testing import run_ranks
 
@@ -61,6 +69,24 @@ def test_a_broadcast_operand_counts_its_memory_once_and_in_place_counts_as_writt
     assert t.bytes_written == 2 * 4 * 64 * 32
 
 
+def test_a_gather_reads_what_it_selects_and_a_foreach_in_place_op_writes():
+    src, idx = torch.randn(4, 1000), torch.randint(0, 1000, (4, 3))
+    table, ids = torch.randn(1000, 8), torch.randint(0, 1000, (5,))
+    logp, target = torch.randn(6, 1000).log_softmax(1), torch.randint(0, 1000, (6,))
+    xs, ys = [torch.zeros(10), torch.zeros(20)], [torch.ones(10), torch.ones(20)]
+    with OpLedger() as ledger:
+        torch.gather(src, 1, idx)
+        torch.nn.functional.embedding(ids, table)
+        torch.nn.functional.nll_loss(logp, target)
+        torch._foreach_add_(xs, ys, alpha=2.0)
+    ops = ledger.op_totals()
+    assert ops["gather"].bytes_read == 8 * 12 + 4 * 12  # indices, then the 12 selected values
+    assert ops["embedding"].bytes_read == 8 * 5 + 4 * 5 * 8
+    assert ops["nll_loss_forward"].bytes_read == 8 * 6 + 4 * 6
+    t = ops["_foreach_add_"]
+    assert (t.bytes_read, t.bytes_written) == (4 * 60, 4 * 30)
+
+
 def test_live_bytes_follow_tensors_made_inside_and_their_peak():
     x = torch.randn(1000)  # made outside: never counted
     with OpLedger() as ledger:
@@ -89,9 +115,60 @@ def test_custom_ops_are_priced_by_their_formula_or_listed():
     assert ledger.unpriced == {"ledger_test.unpriced"}
 
 
+def test_the_accelerator_path_writes_wide_gram_blocks_in_the_matmul_and_only_inside():
+    """As on CUDA: one bmm writing fp32 from bf16, no widening copy; nothing left after."""
+    a = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    b = torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    with OpLedger() as ledger:
+        wide_bmm(a, b)
+    assert set(ledger.op_totals()) == {"bmm", "_to_copy"}  # the CPU path: bmm, then widen
+    with accelerator_matmuls():
+        assert has_cpu_kernel("bmm.dtype") and has_cpu_kernel("mm.dtype")
+        with OpLedger() as ledger:
+            out = wide_bmm(a, b)
+        assert linear_grams._OUT_DTYPE[("cpu", torch.bfloat16)]
+        mm = torch.mm(a[0], b[0], out_dtype=torch.float32)
+        c = torch.randn(2, 8, 8)
+        bad = torch.baddbmm(c, a, b, out_dtype=torch.float32, beta=0.5, alpha=2.0)
+    totals = ledger.op_totals()
+    assert set(totals) == {"bmm"}  # the kernel's own widening and matmul run below the mode
+    t = totals["bmm"]
+    assert (t.ops, t.flops) == (1, 2 * 2 * 8 * 16 * 8)
+    assert (t.bytes_read, t.bytes_written) == (2 * (2 * 8 * 16) * 2, 4 * 2 * 8 * 8)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.bmm(a.float(), b.float()))
+    assert torch.equal(mm, a[0].float() @ b[0].float())
+    assert torch.allclose(bad, 0.5 * c + 2.0 * torch.bmm(a.float(), b.float()))
+    # gone on exit: the CPU path again, and the probe learnt afresh
+    assert not has_cpu_kernel("bmm.dtype") and not has_cpu_kernel("baddbmm.dtype")
+    assert linear_grams._OUT_DTYPE == {}
+    with pytest.raises(NotImplementedError):
+        torch.bmm(a, b, out_dtype=torch.float32)
+    with OpLedger() as ledger:
+        wide_bmm(a, b)
+    assert set(ledger.op_totals()) == {"bmm", "_to_copy"}
+
+
+def test_importing_the_ledger_registers_nothing():
+    code = (
+        "import torch, opacus_fsdp_sync.bench.ledger as m;"
+        "from opacus_fsdp_sync.bench.accelerator_ops import OVERLOADS, has_cpu_kernel;"
+        "print(any(has_cpu_kernel(o) for o in OVERLOADS))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
+
+
 def test_config_validates_and_maps_flags():
     cfg = parse_args(["--blocks", "2", "--no-accelerator-norms", "--gram-block", "0"])
     assert cfg.blocks == 2 and not cfg.accelerator_norms
+    assert not cfg.uses_accelerator_path  # follows the norm strategy unless set
+    assert LedgerConfig().uses_accelerator_path
+    assert not parse_args(["--no-accelerator-path"]).uses_accelerator_path
+    assert parse_args(["--no-accelerator-norms", "--accelerator-path"]).uses_accelerator_path
     assert cfg.engine_options() == {"tune_norms": False, "gram_block": 0}
     assert LedgerConfig(seq_length=256).engine_options()["gram_block"] == 128
     with pytest.raises(ValueError, match="precision"):
@@ -119,5 +196,6 @@ def test_a_tiny_private_step_against_the_non_private_one():
     assert private["peak_live_bytes"] > 0 and plain["peak_live_bytes"] > 0
     assert result["ratios"] == ratios(private, plain)
     assert result["ratios"]["matmul_flops"] > 1.0
+    assert result["accelerator_path"]  # bf16 Gram blocks written wide by bmm.dtype, as on CUDA
     table = markdown(result)
     assert "| norms | matmul |" in table and "Largest additions" in table

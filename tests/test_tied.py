@@ -148,3 +148,28 @@ def test_tied_norm_allocates_nothing_vocab_by_hidden_per_sample():
     print("largest tensor in the DP backward:", numel, where)
     assert numel < N * V * H, where  # no per-sample V x H gradient
     assert numel >= V * H  # the probe sees the (non-per-sample) weight gradient itself
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_tied_cross_term_in_narrow_dtypes_matches_the_widened_one(padding_idx):
+    """bf16 uses: gathered before widening, mask unwidened, and on the accelerator path the
+    partial written fp32 by one narrow-operand matmul: the fp32 reference to fp32 rounding."""
+    from opacus_fsdp_sync.bench.accelerator_ops import accelerator_matmuls
+    from opacus_fsdp_sync.layers import tied
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 6, 8, generator=g).bfloat16()
+    b = torch.randn(2, 6, 11, generator=g).bfloat16()
+    e = torch.randn(2, 5, 8, generator=g).bfloat16()
+    x = torch.randint(0, 11, (2, 5), generator=g)
+    x[0, 1] = 3
+    ids = x.unsqueeze(1).expand(-1, 6, -1)
+    keep = (x != padding_idx).float() if padding_idx is not None else torch.ones(2, 5)
+    part = torch.einsum("nts,nti->nsi", torch.gather(b.float(), 2, ids), a.float())
+    want = (part * keep.unsqueeze(-1) * e.float()).sum(dim=(1, 2))
+    got = tied.linear_embedding(a, b, x, e, padding_idx)
+    assert torch.equal(got, want)  # the CPU path: the same fp32 arithmetic
+    with accelerator_matmuls():
+        wide = tied.linear_embedding(a, b, x, e, padding_idx)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, want, rtol=1e-6, atol=1e-6)

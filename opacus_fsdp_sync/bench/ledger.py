@@ -13,12 +13,15 @@ rank; under ``torchrun`` on every rank, rank 0 writing) and writes ``DIR/{name}.
 ``DIR/{name}.md`` (:mod:`.ledger_report`). The defaults are Llama-3.2-1B's shape scaled by 1/4
 in width, vocabulary and sequence (hidden 512, 16 blocks, vocab 32064, tied, batch 8, seq 256,
 bf16 parameters with fp32 reduction; about a minute on two CPU cores), with the accelerator's
-norm strategy forced (``per_sample_grads=False``, ``gram_block=seq/2``).
+norm strategy forced (``per_sample_grads=False``, ``gram_block=seq/2``) and with it the
+accelerator's op sequence (``--accelerator-path``, :mod:`.accelerator_ops`: the widening Gram
+matmuls as one ``bmm.dtype`` each, as on CUDA, not a CPU ``bmm`` and a widening copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,6 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..models import PRESETS, LlamaSpec
 from ..models.llama import llama_config
 from ..profiling.phases import phase
+from .accelerator_ops import accelerator_matmuls
 from .ledger_report import markdown, ratios, summary
 from .op_ledger import OpLedger
 
@@ -62,6 +66,11 @@ class LedgerConfig:
     accelerator_norms: bool = True
     """Force the accelerator's norm strategy on CPU: ghost norms everywhere
     (``per_sample_grads=False``) in Gram row blocks of ``seq_length / 2`` tokens."""
+    accelerator_path: bool | None = None
+    """Register CPU kernels of the accelerator's widening matmuls (``aten::bmm.dtype`` and its
+    kin, :mod:`.accelerator_ops`) in the ledger's process, so the step dispatches the ops of the
+    CUDA path (fp32 Gram blocks written by the matmul, no widening copies); None: on exactly
+    when ``accelerator_norms`` is."""
     gram_block: int | None = None
     """Gram row block, overriding ``accelerator_norms``'s ``seq_length / 2`` (0: full Grams)."""
     max_grad_norm: float = 1.0
@@ -89,6 +98,11 @@ class LedgerConfig:
             f"ledger_{self.preset}_div{self.width_divisor}_b{self.blocks}"
             f"_n{self.batch_size}_t{self.seq_length}"
         )
+
+    @property
+    def uses_accelerator_path(self) -> bool:
+        """Whether the widening matmul kernels are registered while measuring."""
+        return self.accelerator_norms if self.accelerator_path is None else self.accelerator_path
 
     def engine_options(self) -> dict:
         """The :class:`~opacus_fsdp_sync.PrivacyEngine` options of the private step."""
@@ -185,7 +199,9 @@ def run(cfg: LedgerConfig) -> dict:
     steps = {}
     for private in (False, True):
         tick = time.perf_counter()
-        ledger = measure(cfg, private, device, world)
+        path = accelerator_matmuls() if cfg.uses_accelerator_path else contextlib.nullcontext()
+        with path:
+            ledger = measure(cfg, private, device, world)
         steps["private" if private else "non_private"] = summary(ledger)
         if rank == 0:
             logger.info(
@@ -196,6 +212,7 @@ def run(cfg: LedgerConfig) -> dict:
     return {
         "config": dataclasses.asdict(cfg),
         "engine_options": cfg.engine_options(),
+        "accelerator_path": cfg.uses_accelerator_path,
         "environment": {"torch": torch.__version__, "world_size": world, "device": str(device)},
         "steps": steps,
         "ratios": ratios(steps["private"], steps["non_private"]),
@@ -209,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> LedgerConfig:
     for f in dataclasses.fields(LedgerConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
-        if kind == "bool":
+        if kind.startswith("bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif kind.startswith("int"):
             parser.add_argument(flag, type=int, default=f.default)

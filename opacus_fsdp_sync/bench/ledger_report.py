@@ -121,7 +121,9 @@ def markdown(result: dict) -> str:
         f"blocks, batch {cfg['batch_size']}, seq {cfg['seq_length']}, {cfg['precision']}",
         "",
         f"Private step options: `{result['engine_options']}`; world size "
-        f"{result['environment']['world_size']}, torch {result['environment']['torch']}.",
+        f"{result['environment']['world_size']}, torch {result['environment']['torch']}"
+        + ("; accelerator path (`bmm.dtype`)" if result.get("accelerator_path") else "")
+        + ".",
         "",
         "| private / non-private | ratio | private | non-private |",
         "| --- | ---: | ---: | ---: |",

@@ -8,10 +8,13 @@ autograd's backward on the calling thread, the engine's own work) and files it u
   not counted;
 - ``bytes_read`` / ``bytes_written``: the memory span of each tensor argument and result (a
   broadcast view counts the memory it covers, not its logical size); a result written in place
-  counts as written, and as read too unless the op overwrites it (:data:`OVERWRITES`);
-- ``flops``: ``torch.utils.flop_counter``'s formula of the op (matmuls, attention, and any custom
-  op registered with ``register_flop_formula``); a custom op without one is listed in
-  :attr:`OpLedger.unpriced`.
+  counts as written, and as read too unless the op overwrites it (:data:`OVERWRITES`); an
+  in-place op that returns nothing (``_foreach_add_``) counts its written arguments as written;
+  a selecting op (:data:`SELECTS`: gathers, embeddings; and ``nll_loss_forward``) reads its
+  indices and only the elements it selects, not its whole source;
+- ``flops``: ``torch.utils.flop_counter``'s formula of the op (matmuls, their ``out_dtype``
+  overloads, attention, and any custom op registered with ``register_flop_formula``); a custom
+  op without one is listed in :attr:`OpLedger.unpriced`.
 
 Live bytes: every storage a counted op allocates is followed until its last tensor dies (a
 ``weakref.finalize`` per tensor; autograd's saved tensors keep theirs alive). The ledger
@@ -64,6 +67,9 @@ NO_TRAFFIC = frozenset(
         _A._local_scalar_dense, _A.is_same_size, _A.record_stream, _A.promote_types,
     }
 )  # fmt: skip
+#: Ops that read only the elements they select from their first argument (plus the indices):
+#: gathers, and the loss that picks one log-probability per target.
+SELECTS = frozenset({_A.gather, _A.index_select, _A.embedding, _A.index, _A.take})
 #: In-place ops whose written argument is not read.
 OVERWRITES = frozenset({_A.copy_, _A.fill_, _A.zero_, _A.index_put_, _A.scatter_})
 
@@ -212,16 +218,44 @@ class OpLedger(TorchDispatchMode):
             if name not in written_args:
                 read += sum(span_bytes(t) for t in _tensors(value))
         written = sum(span_bytes(t) for t in _tensors(out))
-        flops = 0
+        if not _tensors(out) and written_args:  # in place, returning nothing (foreach ops)
+            written = sum(
+                span_bytes(t)
+                for a, value in zip(schema.arguments, args)
+                if a.name in written_args
+                for t in _tensors(value)
+            )
         packet = func.overloadpacket
+        if packet in SELECTS or packet is _A.nll_loss_forward:
+            read = self._selected_bytes(func, args, kwargs, out)
+        flops = 0
         if packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            # the out_dtype overloads (bmm.dtype, ...) pass a dtype positionally where torch's
+            # formulas expect the output shape: the formula gets the tensors only
+            shaped = tuple(a for a in args if not isinstance(a, torch.dtype))
+            flops = int(flop_registry[packet](*shaped, **kwargs, out_val=out))
         elif func.namespace not in TORCH_NAMESPACES:
             self.unpriced.add(str(packet))
         if collective_kind(func) is not None:
             read = max((span_bytes(t) for t in _tensors((args, kwargs))), default=0)
             written = 0
         return Tally(ops=1, bytes_read=read, bytes_written=written, flops=flops)
+
+    @staticmethod
+    def _selected_bytes(func, args, kwargs, out) -> int:
+        """Bytes a selecting op reads: the indices, the selected elements and any weights.
+
+        The source (the first tensor argument of a gather, the table of an embedding) is read
+        only where selected: as many elements as the result holds, or for ``nll_loss_forward``
+        one per target.
+        """
+        source, *rest = _tensors((args, kwargs))
+        if func.overloadpacket is _A.nll_loss_forward:
+            target = rest[0]
+            selected = target.numel() * source.element_size()
+        else:
+            selected = sum(t.numel() for t in _tensors(out)) * source.element_size()
+        return selected + sum(span_bytes(t) for t in rest)
 
     def _follow(self, func, args, kwargs, out, *, fresh: bool) -> None:
         """Starts following each result's storage (fresh ones only; views keep theirs alive)."""

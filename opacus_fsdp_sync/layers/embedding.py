@@ -29,7 +29,8 @@ def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) ->
     """
     activations = [activations[0].contiguous(), *activations[1:]]
     if layer.padding_idx is not None:
-        keep = (activations[0] != layer.padding_idx).unsqueeze(-1).to(backprops.dtype)
+        # a bool mask: the product keeps backprops' dtype and values, without a cast of the mask
+        keep = (activations[0] != layer.padding_idx).unsqueeze(-1)
         backprops = backprops * keep
     return _UPSTREAM_EMBEDDING_NORM(layer, activations, backprops)
 

@@ -81,28 +81,54 @@ def flop_fraction(t: int, block: int) -> float:
     return sum(w * (t - s) for s, w in row_blocks(t, block)) / (t * t)
 
 
-#: Whether ``torch.bmm(..., out_dtype=)`` ran here for a (device type, dtype): learnt on first use.
+#: Whether ``torch.bmm(..., out_dtype=)`` runs here for a (device type, dtype): learnt on first
+#: use (CUDA: tried; other devices: whether a kernel is registered for their dispatch key).
 _OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _may_have_out_dtype(device: torch.device) -> bool:
+    """Whether to try ``bmm``'s ``out_dtype`` overload on ``device`` (cached by the caller)."""
+    if device.type == "cuda":
+        return True
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::bmm.dtype", device.type.upper()
+        )
+    except RuntimeError:  # a device type without a dispatch key of that name
+        return False
 
 
 def wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x @ y`` (batched) in fp32 for fp16/bf16 inputs, as is for fp32 and fp64.
 
-    On CUDA the matmul accumulates and writes fp32 itself (``out_dtype``); where torch has no
-    such kernel (CPU), its result is widened.
+    On CUDA (and wherever a kernel for ``aten::bmm.dtype`` is registered, as the op ledger
+    does on CPU) the matmul accumulates and writes fp32 itself (``out_dtype``); where torch has
+    no such kernel (CPU), its result is widened.
     """
     wide = torch.promote_types(x.dtype, torch.float32)
     if x.dtype == wide:
         return torch.bmm(x, y)
+    out = try_wide_bmm(x, y)
+    return out if out is not None else torch.bmm(x, y).to(wide)
+
+
+def try_wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """``torch.bmm(x, y, out_dtype=fp32)`` of fp16/bf16 operands where a kernel runs, else None.
+
+    For callers whose fallback is not :func:`wide_bmm`'s (a narrow matmul, then widened) but a
+    matmul of widened operands.
+    """
     key = (x.device.type, x.dtype)
-    if type(x) is torch.Tensor and x.device.type == "cuda" and _OUT_DTYPE.get(key, True):
+    if key not in _OUT_DTYPE:
+        _OUT_DTYPE[key] = _may_have_out_dtype(x.device)
+    if type(x) is torch.Tensor and _OUT_DTYPE[key]:
         try:
-            out = torch.bmm(x, y, out_dtype=wide)
+            out = torch.bmm(x, y, out_dtype=torch.promote_types(x.dtype, torch.float32))
             _OUT_DTYPE[key] = True
             return out
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE[key] = False
-    return torch.bmm(x, y).to(wide)
+    return None
 
 
 def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:

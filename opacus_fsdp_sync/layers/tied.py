@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .linear_grams import try_wide_bmm
 from .registry import LayerRoom, Unavailable, register_layer
 
 #: Module types whose shared weights we can pair.
@@ -43,13 +44,21 @@ def as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1]).float()
 
 
+def _flat_3d(t: torch.Tensor) -> torch.Tensor:
+    """``(N, ..., F)`` -> ``(N, T, F)`` in its own dtype."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
 def token_ids(x: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids (N, S) long, mask (N, S) float)``: mask is 0 at ``padding_idx`` positions."""
+    """``(ids (N, S) long, mask (N, S))``: mask is 0 (False) at ``padding_idx`` positions.
+
+    The mask is float ones without a ``padding_idx`` and bool with one (a product with it
+    promotes exactly, without a cast of its own).
+    """
     ids = x.reshape(x.shape[0], math.prod(x.shape[1:])).long()
-    mask = torch.ones_like(ids, dtype=torch.float32)
-    if padding_idx is not None:
-        mask = (ids != padding_idx).float()
-    return ids, mask
+    if padding_idx is None:
+        return ids, torch.ones_like(ids, dtype=torch.float32)
+    return ids, ids != padding_idx
 
 
 def linear_linear(a1, b1, a2, b2) -> torch.Tensor:
@@ -66,15 +75,26 @@ def linear_partial(a, b, x, padding_idx) -> torch.Tensor:
     Reducing the Linear's ``(N, T, V)`` output gradient against the ids of an Embedding use that
     has not fired yet lets that gradient be freed at once.
     """
-    a, b = as_3d(a), as_3d(b)
+    # gathered in b's own dtype: the (N, T, V) gradient is never copied whole
+    a, b = _flat_3d(a), _flat_3d(b)
     ids, mask = token_ids(x, padding_idx)
     gathered = torch.gather(b, 2, ids.unsqueeze(1).expand(-1, b.shape[1], -1))  # (N, T, S)
-    return torch.einsum("nts,nti->nsi", gathered, a) * mask.unsqueeze(-1)
+    partial = None
+    if a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16):
+        # where the matmul writes fp32 from narrow operands itself (CUDA): no widened copies
+        partial = try_wide_bmm(gathered.transpose(1, 2), a)
+    if partial is None:
+        partial = torch.einsum("nts,nti->nsi", gathered.float(), a.float())
+    return partial * mask.unsqueeze(-1)
 
 
 def partial_embedding(partial, e) -> torch.Tensor:
     """``<G_linear, G_embedding>`` from :func:`linear_partial` and the embedding's ``e``."""
-    return (partial * as_3d(e)).sum(dim=(1, 2))
+    # fp32 partial times e in its own dtype: the product promotes e exactly, without a copy
+    e = _flat_3d(e)
+    if not e.is_floating_point() or e.dtype == torch.float64:
+        e = e.float()
+    return (partial * e).sum(dim=(1, 2))
 
 
 def linear_embedding(a, b, x, e, padding_idx) -> torch.Tensor:
