@@ -78,9 +78,11 @@ def tp_sharded(param) -> bool:
     return any(not param.placements[i].is_replicate() for i in _tp_dims(param))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorParallelLayout:
     """The tensor-parallel side of a model's layout (see the module docstring).
+
+    Detection's intermediate: the engine reads it through :class:`..layout.Layout`.
 
     Per-sample norms are summed over ``group`` by the hooks (:func:`tp_norm_sum`).
 
@@ -264,16 +266,6 @@ def noise_keys(params) -> list[tuple]:
     return keys
 
 
-def data_parallel_degree(layout: TensorParallelLayout | None, world: int) -> int:
-    """Ranks that take different examples: the dp degree, or ``world`` without tp."""
-    return world if layout is None else layout.dp_degree
-
-
-def data_parallel_rank(layout: TensorParallelLayout | None, rank: int) -> int:
-    """This rank's share of the draw: its dp index, or ``rank`` without tp."""
-    return rank if layout is None else layout.dp_rank
-
-
 def as_param_grad(param, grad: torch.Tensor) -> torch.Tensor:
     """A clipped gradient computed on local tensors, as the gradient ``param`` takes.
 
@@ -367,7 +359,7 @@ def own_output_features(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def check_secure_mode(layout: TensorParallelLayout | None, secure_mode: bool) -> None:
+def check_secure_mode(tensor_parallel: bool, secure_mode: bool) -> None:
     """Refuses ``secure_mode`` under tensor parallelism.
 
     Opacus's secure optimizers draw from ``/dev/urandom`` on each rank: the parameters
@@ -376,7 +368,7 @@ def check_secure_mode(layout: TensorParallelLayout | None, secure_mode: bool) ->
     Raises:
         UnsupportedConfigurationError: with ``secure_mode`` and a tensor-parallel layout.
     """
-    if layout is not None and secure_mode:
+    if tensor_parallel and secure_mode:
         raise UnsupportedConfigurationError(
             "secure_mode with tensor parallelism: each rank's secure noise would differ on "
             "the parameters replicated over tp. Run without secure_mode, or without "
