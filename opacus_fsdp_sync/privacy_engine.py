@@ -273,6 +273,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
                 max_grad_norm=max_grad_norm,
+                layout=self._plan.layout,
             )
             if hooks.shared_weights:
                 logger.info(

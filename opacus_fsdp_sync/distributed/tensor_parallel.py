@@ -104,8 +104,8 @@ def tp_group(param):
     return param.device_mesh.get_group(_tp_dims(param)[0])
 
 
-def tp_norm_sum(param):
-    """``sum(sharded, replicated) -> norms`` over the tp group of ``param`` (tp-sharded).
+def tp_norm_sum(group):
+    """``sum(sharded, replicated) -> norms`` over the tp process group ``group``.
 
     The returned function takes this rank's per-sample norms of tp-sharded parameter shards
     and those of parameters replicated over tp, and returns
@@ -114,7 +114,6 @@ def tp_norm_sum(param):
     from one rank, so ranks that computed them along other paths cannot disagree). Collective
     over the tp group: every tp rank calls it once per step.
     """
-    group = tp_group(param)
     first = dist.get_rank(group) == 0
 
     def total(sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import in_backward
+from ..distributed.layout import Layout, detect_layout
 from ..distributed.tensor_parallel import (
     gather_sequence,
     local,
@@ -50,21 +51,29 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
     _hooked: list[nn.Module] | None = None
     _trainable: frozenset[int] = frozenset()
 
-    def __init__(self, m: nn.Module, **kwargs):
+    def __init__(self, m: nn.Module, *, layout: Layout | None = None, **kwargs):
         super().__init__(m, **kwargs)
+        #: The model's :class:`~..distributed.layout.Layout` (the engine's; detected here when
+        #: the hooks are built without one): its tp group sums the norms, its sequence group
+        #: the norm rooms' sequence shards.
+        self.layout = detect_layout(m) if layout is None else layout
         # Instance-level sampler table: upstream's (with any registered by the user), then each
         # room's norm for its layer types (:func:`..layers.norm_samplers`).
         self.NORM_SAMPLERS = {
             **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
             **norm_samplers(m),
         }
+        if self.layout.sequence_group is not None:
+            self.NORM_SAMPLERS = {
+                t: self._with_sequence_group(f) for t, f in self.NORM_SAMPLERS.items()
+            }
         self._init_tied()
         self._init_pass_tracking()
         # FSDP1 unregisters parameters during forward and backward, when Opacus looks for the
         # layers that own trainable parameters: remember them as they are now.
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = frozenset(id(m) for m in self._hooked)
-        self._init_step_norms(self._hooked)
+        self._init_step_norms(self._hooked, self.layout)
         tp_device = next((p.device for p in m.parameters() if on_tp_mesh(p)), None)
         self._init_sequence_check(tp_device)
         fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
@@ -267,7 +276,7 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
         the same tokens.
         """
         grads = tuple(local(g) if isinstance(g, DTensor) else g for g in forward_output)
-        tokens = getattr(module, "_tp_tokens", None)
+        tokens = self._sequence_tokens.get(module)
         g = grads[0] if grads else None
         if self._tp_group is not None and tokens and g is not None and g.dim() > 2:
             if g.shape[1] * dist.get_world_size(self._tp_group) == tokens:

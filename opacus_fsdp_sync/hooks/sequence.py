@@ -48,8 +48,9 @@ _CHANNELS_FIRST = (
 class SequenceLayoutMixin:
     """Records each hooked layer's tokens under tensor parallelism and refuses what is inexact.
 
-    Expects ``_tp_group`` (None without tensor parallelism), ``NORM_SAMPLERS``, ``_get_type``
-    and Opacus's ``autograd_grad_sample_hooks`` from the classes it is mixed into.
+    Expects ``layout`` (the model's :class:`~..distributed.layout.Layout`), ``_tp_group`` (None
+    without tensor parallelism), ``NORM_SAMPLERS``, ``_get_type`` and Opacus's
+    ``autograd_grad_sample_hooks`` from the classes it is mixed into.
     """
 
     def _init_sequence_check(self, device: torch.device | None) -> None:
@@ -67,6 +68,10 @@ class SequenceLayoutMixin:
         #: The model input's length (dim 1) in this forward, 0 when unknown.
         self._input_tokens = 0
         self._tp_device = device
+        #: Each sequence layer's tokens in the last forward (its output gradient's are compared).
+        self._sequence_tokens: dict[nn.Module, int] = {}
+        #: The layers whose input was split over tp along the tokens in the last forward.
+        self._on_sequence_shards: set[nn.Module] = set()
         if self._tp_group is None:
             return
         self._layer_names = {id(m): n for n, m in self._module.named_modules()}
@@ -99,7 +104,7 @@ class SequenceLayoutMixin:
         tokens = local(first).shape[1]
         self._tp_step_tokens[module] = (tokens, isinstance(first, DTensor))
         if self._sequence_layer(module):
-            module._tp_tokens = tokens
+            self._sequence_tokens[module] = tokens
         out = local(output) if isinstance(output, torch.Tensor) else None
         full = self._full_tokens()
         # a sequence-sharded input; fewer tokens than the input's, in the layer's input or in
@@ -185,10 +190,12 @@ class SequenceLayoutMixin:
             )
 
     def _note_tp_input(self, module: nn.Module, forward_input) -> None:
-        """Records a sequence-sharded input's tp group on the layer (its room sums over it).
+        """Notes whether the layer's input is split over tp along the tokens.
 
-        A layer whose input is split over tp along the tokens computes partial per-sample
-        gradients: its room sums them over ``module._tp_sequence_group`` before the norm
+        See :meth:`sequence_group`.
+
+        Such a layer computes partial per-sample gradients: its room sums them over the
+        layout's sequence group before the norm
         (:func:`..distributed.tensor_parallel.sum_sequence_shards`).
 
         Raises:
@@ -203,4 +210,30 @@ class SequenceLayoutMixin:
                 "per-sample norm does not sum them over tp: under SequenceParallel only "
                 "RMSNorm-like layers (Hugging Face's LlamaRMSNorm and its copies) are supported."
             )
-        module._tp_sequence_group = group
+        if group is None:
+            self._on_sequence_shards.discard(module)
+        else:
+            self._on_sequence_shards.add(module)
+
+    def sequence_group(self, module: nn.Module):
+        """The group ``module``'s room sums its sequence shards over: the layout's, or None.
+
+        None unless the layer's input was split over tp along the tokens in the last forward.
+        """
+        return self.layout.sequence_group if module in self._on_sequence_shards else None
+
+    def _with_sequence_group(self, sampler):
+        """``sampler`` given :meth:`sequence_group` when it sums sequence shards, else itself.
+
+        ``sampler`` has Opacus's norm-sampler signature; one that sums sequence shards is
+        marked (:attr:`~..layers.registry.LayerRoom.sums_sequence_shards`).
+        """
+        if not getattr(sampler, "sums_sequence_shards", False):
+            return sampler
+
+        def norm(layer, activations, backprops):
+            group = self.sequence_group(layer)
+            return sampler(layer, activations, backprops, sequence_group=group)
+
+        norm.sums_sequence_shards = True
+        return norm
