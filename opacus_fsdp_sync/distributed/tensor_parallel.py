@@ -308,7 +308,7 @@ def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     """The full sequence of a tensor sharded over ``group`` along dim 1 (rank order).
 
     Even shards only: the hooks refuse a sequence length the tp degree does not divide in the
-    forward, on every tp rank, before any gather (:mod:`...hooks.sequence`).
+    forward, on every tp rank, before any gather (:mod:`...hooks.tensor_parallel`).
     """
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
