@@ -320,6 +320,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                     self.loss_reduction,
                     type_of,
                     fused_kernels=self.context.fused_kernels,
+                    sequence_group=hooks.sequence_group,
                 )
 
         name = handoff.phase

@@ -12,24 +12,16 @@ from collections.abc import Iterator
 
 import opacus
 import torch
-from opacus.data_loader import DPDataLoader
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from opacus.optimizers import DPOptimizer
 
-from .apis.api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
-from .apis.plan import per_sample_policy, plan_handoff
+from .apis.api import GHOST_MODES
+from .apis.plan import CallPlan, per_sample_policy, plan_call, plan_handoff
 from .apis.registry import detect_api, resolve_ghost_mode
 from .backward import GhostStepContext, SyncDPLoss
 from .distributed.detect import _unwrap
-from .distributed.layout import check_layout, check_parallelism, world_size
-from .distributed.tensor_parallel import (
-    TensorParallelLayout,
-    check_secure_mode,
-    data_parallel_degree,
-    data_parallel_rank,
-    tensor_parallel_layout,
-)
+from .distributed.layout import world_size
 from .empty_batch import EmptyBatchStandIn
-from .errors import UnsupportedConfigurationError
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.kernels import describe as describe_kernels
@@ -39,46 +31,19 @@ from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
-from .sampling import SharedPoissonDataLoader, SharedPoissonSampler
+from .sampling import SharedPoissonSampler
 from .sampling.accounting import account_draws, count_steps, track_progress
 from .sampling.ledger import DrawLedger, LedgerPosition
+from .sampling.loaders import dp_data_loader
 from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
-
-#: What Opacus's ``make_private`` counts as distributed (by the passed object's type).
-_OPACUS_DISTRIBUTED = (
-    opacus.distributed.DifferentiallyPrivateDistributedDataParallel,
-    torch.nn.parallel.DistributedDataParallel,
-    torch.distributed.fsdp.FSDPModule,
-)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if world_size() > 1 else 0
 
 
 def _first_device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-@dataclasses.dataclass
-class _CallPlan:
-    """What one ``make_private`` call decided from the model before Opacus wrapped it."""
-
-    optimizer: OptimizerFactory | None = None
-    """This package's optimizer for the call (from the API's record), or None for Opacus's."""
-    ghost: bool = False
-    """The call is in a ghost mode (the calls this engine changes)."""
-    missed_distributed: bool = False
-    """The layout is distributed but Opacus, judging by the wrapper's type, counts it as one
-    process (FSDP1; FSDP2 without a root unit or below a plain wrapper): the data loader and the
-    expected batch per rank must be the distributed ones."""
-    tp: TensorParallelLayout | None = None
-    """The tensor-parallel layout (None without): its data-parallel degree replaces the world
-    size in the sampler's shares, the expected batch and the gradient divisor."""
 
 
 class PrivacyEngine(opacus.PrivacyEngine):
@@ -134,7 +99,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.sync_api: str | None = None
         self.keep_unsharded: bool = False
         self._one_backward_planned = False
-        self._plan = _CallPlan()
+        self._plan = CallPlan()
         #: The options the last model made private runs with (engine's and the call's).
         self.last_options: GhostOptions = self.options.effective
         #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
@@ -188,13 +153,13 @@ class PrivacyEngine(opacus.PrivacyEngine):
             if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
                 mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
                 kwargs["grad_sample_mode"] = mode
-            self._plan = self._plan_call(kwargs, opts)
+            self._plan = plan_call(kwargs, opts, secure_mode=self.secure_mode)
             #: The options the last model made private runs with (engine's and the call's).
             self.last_options = opts
             try:
                 made = super().make_private(**kwargs)
             finally:
-                self._plan = _CallPlan()
+                self._plan = CallPlan()
         sampler = made[-1].batch_sampler
         if isinstance(sampler, SharedPoissonSampler):
             account_draws(self.accountant, made[1], sampler, self._step_taken)
@@ -215,49 +180,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def _step_taken(self) -> None:
         self.optimizer_steps += 1
 
-    def _plan_call(self, kwargs: dict, opts: GhostOptions) -> _CallPlan:
-        """Decides, from the model before Opacus wraps it, which optimizer the call needs.
-
-        Raises:
-            UnsupportedConfigurationError: for an unknown ``grad_sample_mode`` (naming the
-                allowed ones), a ghost mode the model's API cannot run (naming the one to use),
-                and what the API's record refuses.
-        """
-        mode = kwargs.get("grad_sample_mode", "hooks")
-        if mode not in (*GHOST_MODES, *OPACUS_MODES):
-            raise UnsupportedConfigurationError(
-                f"grad_sample_mode={mode!r}: choose one of {', '.join(map(repr, GHOST_MODES))} "
-                f"(ghost clipping; 'ghost_fsdp' for FSDP and tensor-parallel models, 'ghost_tp' "
-                f"as upstream's name for the latter) or Opacus's "
-                f"{', '.join(map(repr, OPACUS_MODES))}"
-            )
-        if mode not in GHOST_MODES or "module" not in kwargs:
-            if "module" in kwargs:  # Opacus's own modes miscalibrate these layouts too
-                check_parallelism(_unwrap(kwargs["module"]))
-            return _CallPlan()
-        module = kwargs["module"]
-        found = detect_api(module)
-        factory = found.record.plan_optimizer(  # raises for what the API cannot run
-            found.modules,
-            options=opts,
-            secure_mode=self.secure_mode,
-            grad_sample_mode=kwargs["grad_sample_mode"],
-        )
-        check_layout(_unwrap(module), found)
-        accepted = found.record.capabilities.ghost_modes
-        if mode not in accepted:
-            raise UnsupportedConfigurationError(
-                f"grad_sample_mode={mode!r} cannot run on a {found.record.title} model: use "
-                f"grad_sample_mode={accepted[0]!r} (this API takes "
-                f"{', '.join(map(repr, accepted))})"
-            )
-        missed = found.record.capabilities.distributed and not isinstance(
-            module, _OPACUS_DISTRIBUTED
-        )
-        tp = tensor_parallel_layout(_unwrap(module))
-        check_secure_mode(tp, self.secure_mode)
-        return _CallPlan(optimizer=factory, ghost=True, missed_distributed=missed, tp=tp)
-
     def make_private_with_epsilon(self, **kwargs):
         """Same as :meth:`opacus.PrivacyEngine.make_private_with_epsilon`, plus our options.
 
@@ -273,105 +195,62 @@ class PrivacyEngine(opacus.PrivacyEngine):
     ):
         """The data loader, its Poisson draws seeded from :attr:`randomness`.
 
-        Ghost modes with Poisson sampling get the shared draw (:mod:`.sampling`) on any number
-        of ranks: every rank the same logical and physical steps, the global batch a
-        single-process Poisson sample, every draw handed out once and counted by the
-        accountant as it is. Other modes get Opacus's Poisson loader, its generator from
-        :attr:`randomness` (Opacus would draw from torch's global generator): on several ranks
-        one stream per rank (:meth:`.DPRandomness.rank_generator`), since each rank draws its
-        own records' mask and a shared stream would draw the same positions on every rank.
-        The log says which.
+        See :func:`.sampling.loaders.dp_data_loader`; Opacus's own where it returns None.
         """
         distributed = distributed or self._plan.missed_distributed
-        if poisson_sampling and self._plan.ghost:
-            if self.dataset is None:
-                self.dataset = data_loader.dataset
-            return SharedPoissonDataLoader.from_data_loader(
-                data_loader,
-                seed=self.randomness.sampler_seed(
-                    data_loader, secure_mode=self.secure_mode, distributed=distributed
-                ),
-                rank=data_parallel_rank(self._plan.tp, _rank()) if distributed else 0,
-                world_size=data_parallel_degree(self._plan.tp, world_size()) if distributed else 1,
-                batch_first=batch_first,
-                rand_on_empty=rand_on_empty,
-            )
-        if self._plan.ghost:
-            logger.info(
-                "[Ghost] sampling: fixed batches (poisson_sampling=False): the reported epsilon "
-                "assumes Poisson sampling and does not hold for this run"
-            )
-        if poisson_sampling and not self.secure_mode:
-            if self.dataset is None:
-                self.dataset = data_loader.dataset
-            return DPDataLoader.from_data_loader(
-                data_loader,
-                generator=self.randomness.sampler_generator(
-                    data_loader, secure_mode=self.secure_mode, rank=_rank() if distributed else 0
-                ),
-                distributed=distributed,
-                batch_first=batch_first,
-                rand_on_empty=rand_on_empty,
-            )
-        return super()._prepare_data_loader(
+        loader = dp_data_loader(
             data_loader,
+            ghost=self._plan.ghost,
+            layout=self._plan.layout,
+            randomness=self.randomness,
+            secure_mode=self.secure_mode,
             poisson_sampling=poisson_sampling,
             distributed=distributed,
             batch_first=batch_first,
             rand_on_empty=rand_on_empty,
         )
-
-    def _noise_generator(self, optimizer, given, *, distributed: bool):
-        """The noise generator: ``secure_rng``, the user's ``noise_generator``, or ours.
-
-        Ours is seeded from :attr:`randomness` (OS entropy unless ``dp_seed``), the same on
-        every rank, on the parameters' device; never torch's global generator.
-        """
-        if self.secure_mode:
-            return self.secure_rng
-        if given is not None:
-            logger.warning(
-                "[Ghost] noise_generator was passed: the noise is reproducible from its state, "
-                "and the run's privacy rests on that state staying secret."
+        if loader is None:
+            return super()._prepare_data_loader(
+                data_loader,
+                poisson_sampling=poisson_sampling,
+                distributed=distributed,
+                batch_first=batch_first,
+                rand_on_empty=rand_on_empty,
             )
-            return given
-        device = torch.device("cpu")
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                device = p.device
-                break
-            break
-        return self.randomness.generator("noise", device, distributed=distributed)
+        if self.dataset is None:
+            self.dataset = data_loader.dataset
+        return loader
 
     def _prepare_optimizer(self, *, optimizer, **kwargs):
         """Opacus's optimizer, or the API record's where the API already reduced gradients.
 
         DDP and FSDP1 ``NO_SHARD``: gradients arrive averaged, no second all-reduce, one noise
         draw shared by all ranks. FSDP1: per-rank batch and sharded gradients. FSDP2: noise
-        drawn per local shard. The noise generator is :meth:`_noise_generator`'s.
+        drawn per local shard; under tensor parallelism the record's optimizer divides by the
+        layout's data-parallel degree. The noise generator is
+        :meth:`.DPRandomness.noise_generator`'s.
         """
         if self._plan.missed_distributed and not kwargs.get("distributed"):
             # Opacus judged the wrapper's type, not the layout: the batch per rank it expects
             # is the global one, which would scale gradient and noise by 1 / world size.
             kwargs["expected_batch_size"] /= world_size()
             kwargs["distributed"] = True
-        if self._plan.tp is not None:  # Opacus divided by the world size, not the dp degree
-            kwargs["expected_batch_size"] *= world_size() / self._plan.tp.dp_degree
+        if self._plan.layout.tensor_parallel:  # Opacus divided by the world size
+            kwargs["expected_batch_size"] *= world_size() / self._plan.layout.dp_degree
         factory = self._plan.optimizer
         inner = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
-        generator = self._noise_generator(
-            inner, kwargs.get("noise_generator"), distributed=bool(kwargs.get("distributed"))
+        generator = self.randomness.noise_generator(
+            inner,
+            kwargs.get("noise_generator"),
+            secure_rng=self.secure_rng if self.secure_mode else None,
+            distributed=bool(kwargs.get("distributed")),
         )
         if factory is None or kwargs.get("clipping") != "flat":
             kwargs["noise_generator"] = None if self.secure_mode else generator
-            made = super()._prepare_optimizer(optimizer=optimizer, **kwargs)
-        else:
-            for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
-                kwargs.pop(name, None)
-            made = factory(inner, generator=generator, secure_mode=self.secure_mode, **kwargs)
-        if self._plan.tp is not None:  # FSDP2 averages over the data-parallel ranks only
-            made.world_size = self._plan.tp.dp_degree
-        return made
+            return super()._prepare_optimizer(optimizer=optimizer, **kwargs)
+        for name in ("distributed", "clipping", "grad_sample_mode", "noise_generator"):
+            kwargs.pop(name, None)
+        return factory(inner, generator=generator, secure_mode=self.secure_mode, **kwargs)
 
     def _prepare_model(
         self,
@@ -387,8 +266,6 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
         See :mod:`opacus_fsdp_sync.layers.tied`.
         """
-        from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
-
         if grad_sample_mode in GHOST_MODES and not isinstance(module, AbstractGradSampleHooks):
             self.validate(module=module, optimizer=None, data_loader=None)
             hooks = ghost_class(grad_sample_mode, wrap_model)(
@@ -396,6 +273,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 batch_first=batch_first,
                 loss_reduction=loss_reduction,
                 max_grad_norm=max_grad_norm,
+                layout=self._plan.layout,
             )
             if hooks.shared_weights:
                 logger.info(
@@ -457,7 +335,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 opts.one_backward_memory_budget,
                 device,
                 distributed=record.capabilities.distributed and world_size() > 1,
-                tp_group=self._plan.tp.group if self._plan.tp is not None else None,
+                tp_group=self._plan.layout.tp_group,
             ),
         )
         hooks = step_hooks(module)

@@ -188,6 +188,34 @@ class DPRandomness:
         seed = self.shared_seed(purpose, distributed=distributed, device=device)
         return torch.Generator(device=device).manual_seed(seed)
 
+    def noise_generator(self, optimizer, given, *, secure_rng, distributed: bool):
+        """The noise generator: ``secure_rng``, the user's ``noise_generator``, or ours.
+
+        Ours is seeded from this source (OS entropy unless ``dp_seed``), the same on every rank,
+        on the parameters' device; never torch's global generator.
+
+        Args:
+            optimizer: The user's optimizer (unwrapped): its first parameter's device.
+            given: The ``noise_generator`` passed to ``make_private``, or None.
+            secure_rng: The engine's CSPRNG under ``secure_mode``, else None.
+            distributed: Whether the layout is distributed (the seed is then rank 0's).
+        """
+        if secure_rng is not None:
+            return secure_rng
+        if given is not None:
+            logger.warning(
+                "[Ghost] noise_generator was passed: the noise is reproducible from its state, "
+                "and the run's privacy rests on that state staying secret."
+            )
+            return given
+        device = torch.device("cpu")
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                device = p.device
+                break
+            break
+        return self.generator("noise", device, distributed=distributed)
+
     def rank_generator(self, purpose: str, device: torch.device, *, rank: int) -> torch.Generator:
         """A generator on ``device`` for this rank alone: independent of every other rank's.
 

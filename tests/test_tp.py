@@ -80,6 +80,13 @@ def test_data_parallel_degree_comes_from_the_mesh(layout_results):
     for rank, res in enumerate(results):
         run = res[0.0]
         assert run["shares"] == dp and run["divisor"] == dp
+        # one Layout value: its dp degree is the optimizer's divisor, its group the norm room's
+        assert run["layout"] == (dp, tp, 1)
+        assert run.get("norm_group") is (True if wt.model_kind(layout) == "sp" else None)
+        # nothing about the composition is left on the user's modules (Opacus's own captures
+        # and the rooms' per-sample stash aside)
+        composition = [k for k in run["added"] if any(w in k for w in ("tp", "sequence", "layout"))]
+        assert composition == [], composition
         assert run["expected_batch"] == pytest.approx(wt.BATCH / dp)
         # the tp ranks of one data-parallel group take the same examples
         partner = results[rank ^ 1][0.0]  # tp is the inner mesh dimension

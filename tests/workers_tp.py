@@ -185,6 +185,7 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
     # must replay the very Poisson draws the ranks trained on, and the noisy run must draw what
     # the noise-free run drew, so that their difference after a step is the noise alone.
     engine = PrivacyEngine(dp_seed=DP_SEED, one_backward=one_backward)
+    before = {n: set(vars(m)) for n, m in model.named_modules()}
     gsm, opt, crit, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=LR),
@@ -201,6 +202,9 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
         crit(gsm(xb), yb).backward()
         if step == 0 and len(xb):
             out["norms"] = gsm.per_sample_gradient_norms.detach().clone()
+        if step == 0 and model_kind(layout) == "sp":  # the norm room's group is the layout's
+            group = gsm.sequence_group(model.norm)
+            out["norm_group"] = group is not None and group is gsm.layout.sequence_group
         opt.step()
         opt.zero_grad()
         out.setdefault("one_backward", []).append(engine.one_backward)
@@ -212,6 +216,10 @@ def private_run(layout: str, noise: float, one_backward: bool = True) -> dict:
     out["shares"], out["share"] = sampler.world_size, sampler.rank
     out["expected_batch"] = opt.expected_batch_size
     out["divisor"] = opt.world_size
+    out["layout"] = (gsm.layout.dp_degree, gsm.layout.tp_degree, gsm.layout.cp_degree)
+    out["added"] = sorted(
+        {k for n, m in model.named_modules() for k in set(vars(m)) - before.get(n, set())}
+    )
     out["api"] = engine.distributed_api
     p = model.l1.weight
     out["mesh"] = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape))
@@ -293,7 +301,7 @@ def review_cases(rank: int, world: int) -> dict:
     """
     import copy
 
-    from opacus_fsdp_sync.distributed.tensor_parallel import tp_norm_sum
+    from opacus_fsdp_sync.distributed.tensor_parallel import tp_group, tp_norm_sum
     from opacus_fsdp_sync.testing import clip_each_sample_step
     from tests.private import make_private
 
@@ -354,7 +362,7 @@ def review_cases(rank: int, world: int) -> dict:
     p = next(p for p in build("tp_alone").parameters() if p.requires_grad)
     ones = [torch.ones(3, dtype=torch.bfloat16) for _ in range(400)]
     zero = [torch.zeros(3, dtype=torch.bfloat16)]
-    out["bf16_sum"] = tp_norm_sum(p)(ones if rank == 0 else zero, []).tolist()
+    out["bf16_sum"] = tp_norm_sum(tp_group(p))(ones if rank == 0 else zero, []).tolist()
     return out
 
 

@@ -126,8 +126,10 @@ class ApiRecord:
     make_handoff: Callable[[list[nn.Module]], GradientHandoff]
     """The one-backward hand-off; raises ``OneBackwardUnavailable`` with the reason."""
     plan_optimizer: Callable[..., OptimizerFactory | None]
-    """``(modules, *, options, secure_mode, grad_sample_mode) -> factory or None``: this
-    package's optimizer for the call, or None for Opacus's; raises for what cannot run."""
+    """``(modules, *, options, secure_mode, grad_sample_mode, layout) -> factory or None``:
+    this package's optimizer for the call, or None for Opacus's; raises for what cannot run.
+    ``layout`` is the call's :class:`~..distributed.layout.Layout` (its data-parallel degree is
+    the gradient divisor under tensor parallelism)."""
     check_layout: Callable[[nn.Module, list[nn.Module]], None]
     """``(model, modules)``: refuses a layout whose gradients or noise would differ between
     replicas (names the parameters and the fix)."""

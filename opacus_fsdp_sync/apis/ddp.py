@@ -196,7 +196,7 @@ def _handoff(modules: list[nn.Module]) -> DDPHandoff:
     return DDPHandoff(modules[0])
 
 
-def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str):
+def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """The shared-noise optimizer behind the activations-only pass (gradients arrive averaged)."""
     if options.sync_optimization and not secure_mode and options.restricted_first_pass:
         _controller(modules, enabled=True, restricted=True)  # raises early (static_graph)

@@ -157,7 +157,7 @@ def _sharded(inner, *, generator, secure_mode: bool, **kwargs):
     return FSDP1DPOptimizer(inner, generator=generator, secure_mode=secure_mode, **kwargs)
 
 
-def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str):
+def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Sharded noise per held shard, or one shared draw for ``NO_SHARD`` replicas.
 
     Raises:

@@ -15,6 +15,7 @@ which FSDP2 runs on its own stream. The DP optimizer draws noise for the local s
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -249,17 +250,34 @@ def _handoff(modules: list[nn.Module]) -> FSDP2Handoff:
     return FSDP2Handoff(modules)
 
 
-def _sharded(inner, *, generator, secure_mode: bool, **kwargs):
+def _sharded(inner, *, generator, secure_mode: bool, dp_degree: int, **kwargs):
     from ..optimizers import ShardedNoiseFSDPOptimizer
 
     logger.info("[Ghost] FSDP2: DP optimizer drawing noise for the local shard only")
-    return ShardedNoiseFSDPOptimizer(inner, generator=generator, secure_mode=secure_mode, **kwargs)
+    return ShardedNoiseFSDPOptimizer(
+        inner, generator=generator, secure_mode=secure_mode, dp_degree=dp_degree, **kwargs
+    )
 
 
-def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str):
-    """Shard-local noise with ``ghost_fsdp`` and the optimisation on; else Opacus's."""
+def _opacus_fsdp(inner, *, generator, secure_mode: bool, dp_degree: int, **kwargs):
+    from ..optimizers import DataParallelFSDPOptimizer
+
+    return DataParallelFSDPOptimizer(
+        inner, generator=generator, secure_mode=secure_mode, dp_degree=dp_degree, **kwargs
+    )
+
+
+def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
+    """Shard-local noise with ``ghost_fsdp`` and the optimisation on; else Opacus's.
+
+    Both divide by ``layout.dp_degree`` (:class:`~..distributed.layout.Layout`): under tensor
+    parallelism FSDP2 averages over the data-parallel ranks only. Without it Opacus's own
+    optimizer (None) already divides by the world size.
+    """
     if options.sync_optimization and not secure_mode and grad_sample_mode == "ghost_fsdp":
-        return _sharded
+        return functools.partial(_sharded, dp_degree=layout.dp_degree)
+    if layout.tensor_parallel:
+        return functools.partial(_opacus_fsdp, dp_degree=layout.dp_degree)
     return None
 
 

@@ -11,6 +11,8 @@ as a DTensor.
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
 from torch import nn
 
@@ -31,13 +33,15 @@ def _handoff(modules: list[nn.Module]) -> SingleDeviceHandoff:
     return SingleDeviceHandoff()
 
 
-def _sharded(inner, *, generator, secure_mode: bool, **kwargs):
+def _sharded(inner, *, generator, secure_mode: bool, dp_degree: int, **kwargs):
     from ..optimizers import ShardedNoiseFSDPOptimizer
 
-    return ShardedNoiseFSDPOptimizer(inner, generator=generator, secure_mode=secure_mode, **kwargs)
+    return ShardedNoiseFSDPOptimizer(
+        inner, generator=generator, secure_mode=secure_mode, dp_degree=dp_degree, **kwargs
+    )
 
 
-def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str):
+def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Per-placement noise (tp shards independent, tp-replicated parameters shared).
 
     Raises:
@@ -48,7 +52,7 @@ def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: st
             "secure_mode with tensor parallelism: the per-shard noise has no secure draw yet; "
             "run without secure_mode or without parallelize_module."
         )
-    return _sharded
+    return functools.partial(_sharded, dp_degree=layout.dp_degree)  # 1: one data-parallel group
 
 
 def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:

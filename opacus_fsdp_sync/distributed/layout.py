@@ -12,9 +12,15 @@ Two layouts are refused in every ``grad_sample_mode`` (:func:`check_parallelism`
 DDP-based composable ``replicate``, which Opacus also counts as one process, and tensor
 parallelism (DTensor parameters that FSDP2 did not shard on its own), whose per-sample norms
 would need the layer's shards summed across ranks.
+
+What the engine decided about the layout travels as one frozen value, :class:`Layout`, built
+once per ``make_private`` call (:func:`detect_layout`) and handed to the API record's optimizer
+builder, the hooks and the layer rooms as an argument.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +28,7 @@ from torch import nn
 from ..errors import UnsupportedConfigurationError
 from ._fsdp2_internals import handed_dtensors
 from .detect import composable_apis, ddp_replicated_modules
-from .tensor_parallel import check_names
+from .tensor_parallel import check_names, tensor_parallel_layout
 
 _SHOWN = 4
 
@@ -213,3 +219,61 @@ def check_layout(model: nn.Module, found) -> None:
 def world_size() -> int:
     """The default process group's size (1 without one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How one model is laid out over the ranks: built once at detection, passed as a value.
+
+    Every piece of the engine that depends on the composition (the sampler's shares, the
+    expected batch per rank, the optimizer's gradient divisor, the per-sample norms' sum over
+    tp, the norm rooms' sum over sequence shards) reads it from here, never from an attribute
+    on the user's model.
+    """
+
+    dp_degree: int = 1
+    """Ranks that take different examples: the world size over the tp degree."""
+    dp_rank: int = 0
+    """This rank's data-parallel index (the same on every rank of its tp group)."""
+    tp_group: object = None
+    """The tensor-parallel process group of this rank (None without tensor parallelism)."""
+    tp_degree: int = 1
+    """Ranks in the tp group (1 without tensor parallelism)."""
+    sequence_group: object = None
+    """The group sequence-sharded activations are split over: the tp group under tensor
+    parallelism (a layer whose input is split along the tokens sums its norm room's partial
+    per-sample gradients over it), else None."""
+    cp_degree: int = 1
+    """Context-parallel ranks: always 1 (context parallelism is refused at detection,
+    :func:`check_context_parallel`)."""
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model is tensor-parallel."""
+        return self.tp_group is not None
+
+
+def detect_layout(model: nn.Module) -> Layout:
+    """The model's :class:`Layout` (collective under tensor parallelism).
+
+    Args:
+        model: The user's model, unwrapped from Opacus.
+
+    Raises:
+        UnsupportedConfigurationError: see :func:`.tensor_parallel.tensor_parallel_layout`.
+    """
+    tp = tensor_parallel_layout(model)
+    if tp is None:
+        return Layout(dp_degree=world_size(), dp_rank=rank())
+    return Layout(
+        dp_degree=tp.dp_degree,
+        dp_rank=tp.dp_rank,
+        tp_group=tp.group,
+        tp_degree=tp.degree,
+        sequence_group=tp.group,
+    )

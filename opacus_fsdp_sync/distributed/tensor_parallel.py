@@ -78,9 +78,11 @@ def tp_sharded(param) -> bool:
     return any(not param.placements[i].is_replicate() for i in _tp_dims(param))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorParallelLayout:
     """The tensor-parallel side of a model's layout (see the module docstring).
+
+    Detection's intermediate: the engine reads it through :class:`..layout.Layout`.
 
     Per-sample norms are summed over ``group`` by the hooks (:func:`tp_norm_sum`).
 
@@ -102,8 +104,8 @@ def tp_group(param):
     return param.device_mesh.get_group(_tp_dims(param)[0])
 
 
-def tp_norm_sum(param):
-    """``sum(sharded, replicated) -> norms`` over the tp group of ``param`` (tp-sharded).
+def tp_norm_sum(group):
+    """``sum(sharded, replicated) -> norms`` over the tp process group ``group``.
 
     The returned function takes this rank's per-sample norms of tp-sharded parameter shards
     and those of parameters replicated over tp, and returns
@@ -112,7 +114,6 @@ def tp_norm_sum(param):
     from one rank, so ranks that computed them along other paths cannot disagree). Collective
     over the tp group: every tp rank calls it once per step.
     """
-    group = tp_group(param)
     first = dist.get_rank(group) == 0
 
     def total(sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
@@ -264,16 +265,6 @@ def noise_keys(params) -> list[tuple]:
     return keys
 
 
-def data_parallel_degree(layout: TensorParallelLayout | None, world: int) -> int:
-    """Ranks that take different examples: the dp degree, or ``world`` without tp."""
-    return world if layout is None else layout.dp_degree
-
-
-def data_parallel_rank(layout: TensorParallelLayout | None, rank: int) -> int:
-    """This rank's share of the draw: its dp index, or ``rank`` without tp."""
-    return rank if layout is None else layout.dp_rank
-
-
 def as_param_grad(param, grad: torch.Tensor) -> torch.Tensor:
     """A clipped gradient computed on local tensors, as the gradient ``param`` takes.
 
@@ -317,7 +308,7 @@ def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     """The full sequence of a tensor sharded over ``group`` along dim 1 (rank order).
 
     Even shards only: the hooks refuse a sequence length the tp degree does not divide in the
-    forward, on every tp rank, before any gather (:mod:`...hooks.sequence`).
+    forward, on every tp rank, before any gather (:mod:`...hooks.tensor_parallel`).
     """
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
@@ -367,7 +358,7 @@ def own_output_features(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def check_secure_mode(layout: TensorParallelLayout | None, secure_mode: bool) -> None:
+def check_secure_mode(tensor_parallel: bool, secure_mode: bool) -> None:
     """Refuses ``secure_mode`` under tensor parallelism.
 
     Opacus's secure optimizers draw from ``/dev/urandom`` on each rank: the parameters
@@ -376,7 +367,7 @@ def check_secure_mode(layout: TensorParallelLayout | None, secure_mode: bool) ->
     Raises:
         UnsupportedConfigurationError: with ``secure_mode`` and a tensor-parallel layout.
     """
-    if layout is not None and secure_mode:
+    if tensor_parallel and secure_mode:
         raise UnsupportedConfigurationError(
             "secure_mode with tensor parallelism: each rank's secure noise would differ on "
             "the parameters replicated over tp. Run without secure_mode, or without "

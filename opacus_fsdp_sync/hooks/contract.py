@@ -107,6 +107,13 @@ class StepHooks(Protocol):
         """The layer type Opacus sees for ``module`` (FSDP2's ``FSDP<Class>`` mapped back)."""
         ...
 
+    def sequence_group(self, module: nn.Module):
+        """The group ``module``'s input was split over along the tokens, or None.
+
+        A room that sums sequence shards sums the layer's gradients over it.
+        """
+        ...
+
     def disable_hooks(self) -> None:
         """No hook fires until :meth:`enable_hooks` (the second pass, the gradient phase)."""
         ...
@@ -189,6 +196,10 @@ class OpacusStepHooks:
         if isinstance(self.hooks, GradSampleHooksFastGradientClippingFSDP):
             return self.hooks._get_module_type(module)
         return type(module)
+
+    def sequence_group(self, module: nn.Module):
+        """None: Opacus's hooks do not see sequence shards."""
+        return None
 
     def disable_hooks(self) -> None:
         """Opacus's switch."""

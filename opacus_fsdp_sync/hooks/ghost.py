@@ -6,13 +6,13 @@ RMSNorm norm where autograd agrees with it, Gram-matrix ``Linear`` norms with ``
 around Opacus's hooks: shared-weight cross terms (:mod:`.tied`), activations-only first-pass
 sources and the missed-hook check (:mod:`.first_pass`), norms that belong to one backward, a
 layer that did not run counting as zero (:mod:`.step_norms`), recorded calls for exact replays of
-the layers no room claims (:mod:`.replay`), what sequence parallelism refuses (:mod:`.sequence`).
+the layers no room claims (:mod:`.replay`), tensor-parallel captures and what sequence
+parallelism refuses (:mod:`.tensor_parallel`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
@@ -22,49 +22,51 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
     GradSampleModuleFastGradientClippingFSDP,
 )
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .._torch_compat import in_backward
-from ..distributed.tensor_parallel import (
-    gather_sequence,
-    local,
-    on_tp_mesh,
-    own_output_features,
-)
-from ..errors import UnsupportedConfigurationError
+from ..distributed.layout import Layout, detect_layout
+from ..distributed.tensor_parallel import on_tp_mesh
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
 from .replay import ReplayMixin
-from .sequence import SequenceLayoutMixin
 from .step_norms import StepNormsMixin
+from .tensor_parallel import TensorParallelMixin
 from .tied import TiedNormMixin
 
 
-class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, SequenceLayoutMixin):
+class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, TensorParallelMixin):
     """Mixins first (they wrap Opacus's hooks), then the upstream class."""
 
     #: The layers Opacus hooked, found at wrap time (None while Opacus's ``__init__`` runs).
     _hooked: list[nn.Module] | None = None
     _trainable: frozenset[int] = frozenset()
 
-    def __init__(self, m: nn.Module, **kwargs):
+    def __init__(self, m: nn.Module, *, layout: Layout | None = None, **kwargs):
         super().__init__(m, **kwargs)
+        #: The model's :class:`~..distributed.layout.Layout` (the engine's; detected here when
+        #: the hooks are built without one): its tp group sums the norms, its sequence group
+        #: the norm rooms' sequence shards.
+        self.layout = detect_layout(m) if layout is None else layout
         # Instance-level sampler table: upstream's (with any registered by the user), then each
         # room's norm for its layer types (:func:`..layers.norm_samplers`).
         self.NORM_SAMPLERS = {
             **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
             **norm_samplers(m),
         }
+        if self.layout.sequence_group is not None:
+            self.NORM_SAMPLERS = {
+                t: self._with_sequence_group(f) for t, f in self.NORM_SAMPLERS.items()
+            }
         self._init_tied()
         self._init_pass_tracking()
         # FSDP1 unregisters parameters during forward and backward, when Opacus looks for the
         # layers that own trainable parameters: remember them as they are now.
         self._hooked = list(super().iterate_submodules(self._module))
         self._trainable = frozenset(id(m) for m in self._hooked)
-        self._init_step_norms(self._hooked)
+        self._init_step_norms(self._hooked, self.layout)
         tp_device = next((p.device for p in m.parameters() if on_tp_mesh(p)), None)
         self._init_sequence_check(tp_device)
         fsdp = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
@@ -199,28 +201,10 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters.
 
-        A tensor-parallel layer's input arrives as a DTensor (its output gradient as a local
-        tensor): it is captured as its local tensor, of which the hooks compute the partial
-        norms of the layer's shards (:mod:`..distributed.tensor_parallel`).
+        A tensor-parallel layer's input arrives as a DTensor: it is captured as its local
+        tensor (:meth:`.tensor_parallel.TensorParallelMixin._tp_capture_input`).
         """
-        if (
-            self._tp_sum is not None
-            and forward_input
-            and self.hooks_enabled
-            and module.training
-            and torch.is_grad_enabled()
-            and not in_backward()
-        ):
-            self._note_tokens(module, forward_input[0], forward_output)
-        if any(isinstance(t, DTensor) for t in forward_input):
-            if self._tp_group is None:  # DTensors without a tp layout: refuse, never guess
-                raise UnsupportedConfigurationError(
-                    f"{type(module).__name__} received a DTensor input but the model has no "
-                    "parameter on a mesh dimension named 'tp': name the tensor-parallel mesh "
-                    "dimension 'tp'."
-                )
-            self._note_tp_input(module, forward_input)
-            forward_input = tuple(local(t) for t in forward_input)
+        forward_input = self._tp_capture_input(module, forward_input, forward_output)
         if (
             self.gram_cache is not None
             and self.hooks_enabled
@@ -258,27 +242,8 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Seque
         return None
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
-        """Local output gradients; those split over tp along the tokens gathered first.
-
-        Sequence parallelism splits a layer's output along the tokens after the layer ran on
-        all of them (``RowwiseParallel(output_layouts=Shard(1))``, ``PrepareModuleOutput`` to
-        ``Shard(1)``): its output gradient then holds this rank's tokens while its input holds
-        every token. The gradient is all-gathered over tp along the tokens, so that both cover
-        the same tokens.
-        """
-        grads = tuple(local(g) if isinstance(g, DTensor) else g for g in forward_output)
-        tokens = getattr(module, "_tp_tokens", None)
-        g = grads[0] if grads else None
-        if self._tp_group is not None and tokens and g is not None and g.dim() > 2:
-            if g.shape[1] * dist.get_world_size(self._tp_group) == tokens:
-                grads = (gather_sequence(g, self._tp_group), *grads[1:])
-            elif g.shape[1] != tokens:
-                raise UnsupportedConfigurationError(
-                    f"{type(module).__name__} sees {tokens} tokens in its input but {g.shape[1]}"
-                    " in its output gradient: not a split of the sequence over tp"
-                )
-        if self._tp_group is not None and grads and grads[0] is not None:
-            grads = (own_output_features(module, grads[0]), *grads[1:])
+        """Local output gradients, as the layer's input covers them (:meth:`_tp_output_grads`)."""
+        grads = self._tp_output_grads(module, forward_output)
         result = super().capture_backprops_hook(module, forward_input, grads, *args, **kwargs)
         self._scale_reported_norms(module)
         return result

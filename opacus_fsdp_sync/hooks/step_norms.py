@@ -21,7 +21,8 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
-from ..distributed.tensor_parallel import on_tp_mesh, tp_group, tp_norm_sum, tp_sharded
+from ..distributed.layout import Layout
+from ..distributed.tensor_parallel import tp_norm_sum, tp_sharded
 
 
 class NoNormsError(RuntimeError):
@@ -42,36 +43,35 @@ class StepNormsMixin:
     #: The tp process group (tensor parallelism), else None.
     _tp_group = None
 
-    def _init_step_norms(self, hooked: list[nn.Module]) -> None:
+    def _init_step_norms(self, hooked: list[nn.Module], layout: Layout) -> None:
         self._norms_per_module = isinstance(self, GradSampleHooksFastGradientClippingFSDP)
         # FSDP1 unregisters parameters during forward and backward: count them now.
         self._n_trainable = {
             id(m): sum(1 for p in m.parameters(recurse=False) if p.requires_grad) for m in hooked
         }
         self._step_layers = list(hooked)
-        self._init_tp_norms(hooked)
+        self._init_tp_norms(hooked, layout)
         self.reset_norms()
 
-    def _init_tp_norms(self, hooked: list[nn.Module]) -> None:
+    def _init_tp_norms(self, hooked: list[nn.Module], layout: Layout) -> None:
         """Which reported norms are partial (tp-sharded parameters) and the tp group's sum.
 
-        The tp group comes from any parameter on a tp mesh, frozen ones included (a model
-        whose tensor-parallel layers are frozen still sums its norms over tp, which makes the
-        coefficients bit-identical on every tp rank).
+        The tp group is the layout's (found from any parameter on a tp mesh, frozen ones
+        included: a model whose tensor-parallel layers are frozen still sums its norms over tp,
+        which makes the coefficients bit-identical on every tp rank).
         """
-        on_tp = [p for p in self._module.parameters() if on_tp_mesh(p)]
         #: Per layer (FSDP) or parameter id (one device): whether each norm is a tp shard's.
         self._tp_partial: dict[int, list[bool]] = {}
         self._tp_sum = None
         #: The tp process group (tensor parallelism), else None.
         self._tp_group = None
-        if not on_tp:
+        if not layout.tensor_parallel:
             return
         for m in hooked:
             flags = [tp_sharded(p) for p in m.parameters(recurse=False) if p.requires_grad]
             self._tp_partial[id(m)] = flags
-        self._tp_sum = tp_norm_sum(on_tp[0])
-        self._tp_group = tp_group(on_tp[0])
+        self._tp_sum = tp_norm_sum(layout.tp_group)
+        self._tp_group = layout.tp_group
 
     def reset_norms(self) -> None:
         """Forgets every layer's per-sample norms (the start of a backward)."""

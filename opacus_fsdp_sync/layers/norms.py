@@ -88,8 +88,11 @@ def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> to
     return (dy.to(xhat.dtype) * xhat).reshape(dy.shape[0], tokens, dy.shape[-1]).sum(dim=1)
 
 
-def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
+def rms_norm_sample(layer: nn.Module, activations, backprops, sequence_group=None) -> dict:
     """Per-sample gradient norm of an RMSNorm weight (Opacus's norm-sampler signature).
+
+    ``sequence_group``: the group the layer's input is split over along the tokens (the
+    hooks pass the layout's under sequence parallelism), or None.
 
     The per-sample gradients (``N x H``) are left on the layer (:func:`.registry.keep_per_sample`):
     the one-backward step's clipped gradient is their weighted sum, so the normalised input is
@@ -97,7 +100,7 @@ def rms_norm_sample(layer: nn.Module, activations, backprops) -> dict:
     """
     g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
     # sequence parallelism: this rank's tokens only; the sum over tp comes before the norm
-    g = sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None)).float()
+    g = sum_sequence_shards(g, sequence_group).float()
     keep_per_sample(layer, {"weight": g})  # fp32 (N x H): its weighted sum is one matvec
     return {layer.weight: g.norm(2, dim=-1)}
 
@@ -271,16 +274,18 @@ class RMSNormRoom(LayerRoom):
 
     norm = staticmethod(rms_norm_sample)
 
-    def per_sample_grad(self, layer, activations, backprops):
-        """:func:`per_sample_weight_grads` (summed over sequence shards under tp)."""
-        g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
-        return {"weight": sum_sequence_shards(g, getattr(layer, "_tp_sequence_group", None))}
+    sums_sequence_shards = True
 
-    def clipped_grad(self, layer, inputs, grad_out, scale):
+    def per_sample_grad(self, layer, activations, backprops, sequence_group=None):
+        """:func:`per_sample_weight_grads` (summed over ``sequence_group``'s shards)."""
+        g = per_sample_weight_grads(activations[0], backprops, epsilon(layer))
+        return {"weight": sum_sequence_shards(g, sequence_group)}
+
+    def clipped_grad(self, layer, inputs, grad_out, scale, sequence_group=None):
         """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""
         grad_out = scale_rows(grad_out, scale)
         x = inputs[0]
         xhat = normalized(x, epsilon(layer))
         grad = (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)
         # sequence parallelism: this rank's tokens only, summed over tp
-        return {"weight": sum_sequence_shards(grad, getattr(layer, "_tp_sequence_group", None))}
+        return {"weight": sum_sequence_shards(grad, sequence_group)}

@@ -63,6 +63,9 @@ class LayerRoom:
 
     name: str = ""
     direct: bool = True
+    #: Whether the room's methods take ``sequence_group=`` (the group a layer's input is
+    #: split over along the tokens) and sum the per-sample and clipped gradients over it.
+    sums_sequence_shards: bool = False
 
     def matches(self, module: nn.Module, module_type: type) -> bool:
         """Whether this room computes ``module`` (rooms registered with ``match=``)."""

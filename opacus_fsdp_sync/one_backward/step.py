@@ -18,7 +18,13 @@ class OneBackwardUnavailable(RuntimeError):
 
 
 def clipped_gradients(
-    kept, coef, loss_reduction, type_of, *, fused_kernels: bool | None = None
+    kept,
+    coef,
+    loss_reduction,
+    type_of,
+    *,
+    fused_kernels: bool | None = None,
+    sequence_group=lambda module: None,
 ) -> dict[tuple[int, str], tuple]:
     """Clipped weight gradients of every kept layer.
 
@@ -33,6 +39,9 @@ def clipped_gradients(
         type_of: Maps a module to the layer type Opacus sees (FSDP2 classes to their original).
         fused_kernels: The option of that name: a room's kernel that folds the coefficients in
             (:meth:`~..layers.registry.LayerRoom.clipped_grad_folded`) where it applies.
+        sequence_group: Maps a module to the group its input is split over along the tokens
+            (the hooks' :meth:`~..hooks.contract.StepHooks.sequence_group`), for the rooms that
+            sum sequence shards.
 
     Returns:
         ``{(id(module), name): (module, name, gradient)}``, summed over a layer's calls; the
@@ -75,7 +84,11 @@ def clipped_gradients(
                     "parameters are sharded here"
                 )
             # the room scales the narrowest operand it can, never more than the output gradient
-            grads = room.clipped_grad(module, inputs, grad_out, scale)
+            if room.sums_sequence_shards:
+                group = sequence_group(module)
+                grads = room.clipped_grad(module, inputs, grad_out, scale, sequence_group=group)
+            else:
+                grads = room.clipped_grad(module, inputs, grad_out, scale)
         for name, g in grads.items():
             p = getattr(module, name, None)
             if p is not None and p.requires_grad:

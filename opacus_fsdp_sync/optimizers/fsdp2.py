@@ -58,7 +58,9 @@ class NoiseStreams:
 class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
     """``FSDPOptimizerFastGradientClipping`` with shard-local noise (not for ``secure_mode``).
 
-    Gradients cleared to None count as zeros (``accepts_none_grads``).
+    Gradients cleared to None count as zeros (``accepts_none_grads``). ``dp_degree`` (the
+    :class:`~..distributed.layout.Layout`'s) is the number of ranks FSDP2 averaged the
+    gradients over; the world size when None.
 
     Raises:
         ValueError: with ``secure_mode=True`` (keep Opacus's optimizer there).
@@ -67,10 +69,12 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
     #: The engine may clear gradients to None between passes: :meth:`accumulate` reads None as 0.
     accepts_none_grads = True
 
-    def __init__(self, optimizer, *, generator=None, secure_mode=False, **kwargs):
+    def __init__(self, optimizer, *, generator=None, secure_mode=False, dp_degree=None, **kwargs):
         if secure_mode:
             raise ValueError("ShardedNoiseFSDPOptimizer does not implement secure_mode noise")
         super().__init__(optimizer, generator=None, secure_mode=False, **kwargs)
+        if dp_degree is not None:  # FSDP2 averages over the data-parallel ranks only (tp)
+            self.world_size = dp_degree
         plain = [tuple(p.shape) for p in self.params if not isinstance(p, DTensor)]
         tp_alone = any(tp_sharded(p) for p in self.params)  # FSDP2 leaves no plain parameter
         if plain and dist.get_world_size() > 1 and not tp_alone:
@@ -151,3 +155,15 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
                 swap_local(grad, noised)
             else:
                 p.grad = noised
+
+
+class DataParallelFSDPOptimizer(FSDPOptimizerFastGradientClipping):
+    """Opacus's FSDP optimizer, its gradient divisor the data-parallel degree (tensor parallelism).
+
+    Opacus divides by the world size; under FSDP2 x TP gradients were averaged over the
+    ``dp_degree`` data-parallel ranks only (the :class:`~..distributed.layout.Layout`'s).
+    """
+
+    def __init__(self, optimizer, *, dp_degree: int, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.world_size = dp_degree

@@ -1,4 +1,10 @@
-"""Sequence parallelism in the hooks: refused in the forward unless every norm is exact.
+"""Tensor parallelism in the hooks: local captures, and sequence parallelism exact or refused.
+
+A tensor-parallel layer's input arrives as a DTensor and its output gradient as a local tensor
+(or a DTensor): both are captured as local tensors, of which the hooks compute the partial norms
+of the layer's shards (:mod:`..distributed.tensor_parallel`); a column-wise layer's gathered
+output gradient is cut back to its own rows. The tp and sequence groups come from the model's
+:class:`~..distributed.layout.Layout`, never from attributes on the user's modules.
 
 Under sequence parallelism (torch's ``SequenceParallel``, ``RowwiseParallel(output_layouts=
 Shard(1))``, ``PrepareModuleOutput`` to ``Shard(1)``) each tp rank holds part of every sample's
@@ -33,7 +39,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed.tensor_parallel import local, sequence_group
+from .._torch_compat import in_backward
+from ..distributed.tensor_parallel import (
+    gather_sequence,
+    local,
+    own_output_features,
+    sequence_group,
+)
 from ..errors import UnsupportedConfigurationError
 
 #: Layers whose dim 1 is channels, not the sequence (their tokens are not compared).
@@ -45,12 +57,68 @@ _CHANNELS_FIRST = (
 )
 
 
-class SequenceLayoutMixin:
-    """Records each hooked layer's tokens under tensor parallelism and refuses what is inexact.
+class TensorParallelMixin:
+    """Captures local tensors, records each layer's tokens and refuses what is inexact.
 
-    Expects ``_tp_group`` (None without tensor parallelism), ``NORM_SAMPLERS``, ``_get_type``
-    and Opacus's ``autograd_grad_sample_hooks`` from the classes it is mixed into.
+    Expects ``layout`` (the model's :class:`~..distributed.layout.Layout`), ``_tp_group`` (None
+    without tensor parallelism), ``NORM_SAMPLERS``, ``_get_type`` and Opacus's
+    ``autograd_grad_sample_hooks`` from the classes it is mixed into.
     """
+
+    def _tp_capture_input(self, module: nn.Module, forward_input, forward_output) -> tuple:
+        """A layer's input as the capture keeps it: local tensors; its tokens noted.
+
+        Raises:
+            UnsupportedConfigurationError: a DTensor input without a tp layout, and what
+                :meth:`_note_tokens` and :meth:`_note_tp_input` refuse.
+        """
+        if (
+            self._tp_sum is not None
+            and forward_input
+            and self.hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and not in_backward()
+        ):
+            self._note_tokens(module, forward_input[0], forward_output)
+        if not any(isinstance(t, DTensor) for t in forward_input):
+            return forward_input
+        if self._tp_group is None:  # DTensors without a tp layout: refuse, never guess
+            raise UnsupportedConfigurationError(
+                f"{type(module).__name__} received a DTensor input but the model has no "
+                "parameter on a mesh dimension named 'tp': name the tensor-parallel mesh "
+                "dimension 'tp'."
+            )
+        self._note_tp_input(module, forward_input)
+        return tuple(local(t) for t in forward_input)
+
+    def _tp_output_grads(self, module: nn.Module, forward_output) -> tuple:
+        """Local output gradients; those split over tp along the tokens gathered first.
+
+        Sequence parallelism splits a layer's output along the tokens after the layer ran on
+        all of them (``RowwiseParallel(output_layouts=Shard(1))``, ``PrepareModuleOutput`` to
+        ``Shard(1)``): its output gradient then holds this rank's tokens while its input holds
+        every token. The gradient is all-gathered over tp along the tokens, so that both cover
+        the same tokens; a column-wise layer's gathered gradient is cut back to its own rows.
+
+        Raises:
+            UnsupportedConfigurationError: for an output gradient whose tokens are not a split
+                of the input's.
+        """
+        grads = tuple(local(g) if isinstance(g, DTensor) else g for g in forward_output)
+        tokens = self._sequence_tokens.get(module)
+        g = grads[0] if grads else None
+        if self._tp_group is not None and tokens and g is not None and g.dim() > 2:
+            if g.shape[1] * dist.get_world_size(self._tp_group) == tokens:
+                grads = (gather_sequence(g, self._tp_group), *grads[1:])
+            elif g.shape[1] != tokens:
+                raise UnsupportedConfigurationError(
+                    f"{type(module).__name__} sees {tokens} tokens in its input but {g.shape[1]}"
+                    " in its output gradient: not a split of the sequence over tp"
+                )
+        if self._tp_group is not None and grads and grads[0] is not None:
+            grads = (own_output_features(module, grads[0]), *grads[1:])
+        return grads
 
     def _init_sequence_check(self, device: torch.device | None) -> None:
         """Hooks on the model: note its input's length before its forward, check after.
@@ -67,6 +135,10 @@ class SequenceLayoutMixin:
         #: The model input's length (dim 1) in this forward, 0 when unknown.
         self._input_tokens = 0
         self._tp_device = device
+        #: Each sequence layer's tokens in the last forward (its output gradient's are compared).
+        self._sequence_tokens: dict[nn.Module, int] = {}
+        #: The layers whose input was split over tp along the tokens in the last forward.
+        self._on_sequence_shards: set[nn.Module] = set()
         if self._tp_group is None:
             return
         self._layer_names = {id(m): n for n, m in self._module.named_modules()}
@@ -99,7 +171,7 @@ class SequenceLayoutMixin:
         tokens = local(first).shape[1]
         self._tp_step_tokens[module] = (tokens, isinstance(first, DTensor))
         if self._sequence_layer(module):
-            module._tp_tokens = tokens
+            self._sequence_tokens[module] = tokens
         out = local(output) if isinstance(output, torch.Tensor) else None
         full = self._full_tokens()
         # a sequence-sharded input; fewer tokens than the input's, in the layer's input or in
@@ -185,10 +257,12 @@ class SequenceLayoutMixin:
             )
 
     def _note_tp_input(self, module: nn.Module, forward_input) -> None:
-        """Records a sequence-sharded input's tp group on the layer (its room sums over it).
+        """Notes whether the layer's input is split over tp along the tokens.
 
-        A layer whose input is split over tp along the tokens computes partial per-sample
-        gradients: its room sums them over ``module._tp_sequence_group`` before the norm
+        See :meth:`sequence_group`.
+
+        Such a layer computes partial per-sample gradients: its room sums them over the
+        layout's sequence group before the norm
         (:func:`..distributed.tensor_parallel.sum_sequence_shards`).
 
         Raises:
@@ -203,4 +277,30 @@ class SequenceLayoutMixin:
                 "per-sample norm does not sum them over tp: under SequenceParallel only "
                 "RMSNorm-like layers (Hugging Face's LlamaRMSNorm and its copies) are supported."
             )
-        module._tp_sequence_group = group
+        if group is None:
+            self._on_sequence_shards.discard(module)
+        else:
+            self._on_sequence_shards.add(module)
+
+    def sequence_group(self, module: nn.Module):
+        """The group ``module``'s room sums its sequence shards over: the layout's, or None.
+
+        None unless the layer's input was split over tp along the tokens in the last forward.
+        """
+        return self.layout.sequence_group if module in self._on_sequence_shards else None
+
+    def _with_sequence_group(self, sampler):
+        """``sampler`` given :meth:`sequence_group` when it sums sequence shards, else itself.
+
+        ``sampler`` has Opacus's norm-sampler signature; one that sums sequence shards is
+        marked (:attr:`~..layers.registry.LayerRoom.sums_sequence_shards`).
+        """
+        if not getattr(sampler, "sums_sequence_shards", False):
+            return sampler
+
+        def norm(layer, activations, backprops):
+            group = self.sequence_group(layer)
+            return sampler(layer, activations, backprops, sequence_group=group)
+
+        norm.sums_sequence_shards = True
+        return norm
