@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..hooks.first_pass import tensors_in
 from ..profiling.comm_counter import collective_kind
 from ..profiling.phases import current_phase
 
@@ -105,16 +106,6 @@ def span_bytes(t: torch.Tensor) -> int:
         return 0
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
     return min(span, t.numel()) * t.element_size()
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -213,17 +204,17 @@ class OpLedger(TorchDispatchMode):
         for a, value in zip(schema.arguments, args):
             if a.name in written_args and (overwrite or a.kwarg_only):
                 continue
-            read += sum(span_bytes(t) for t in _tensors(value))
+            read += sum(span_bytes(t) for t in tensors_in(value))
         for name, value in kwargs.items():
             if name not in written_args:
-                read += sum(span_bytes(t) for t in _tensors(value))
-        written = sum(span_bytes(t) for t in _tensors(out))
-        if not _tensors(out) and written_args:  # in place, returning nothing (foreach ops)
+                read += sum(span_bytes(t) for t in tensors_in(value))
+        written = sum(span_bytes(t) for t in tensors_in(out))
+        if not tensors_in(out) and written_args:  # in place, returning nothing (foreach ops)
             written = sum(
                 span_bytes(t)
                 for a, value in zip(schema.arguments, args)
                 if a.name in written_args
-                for t in _tensors(value)
+                for t in tensors_in(value)
             )
         packet = func.overloadpacket
         if packet in SELECTS or packet is _A.nll_loss_forward:
@@ -237,7 +228,7 @@ class OpLedger(TorchDispatchMode):
         elif func.namespace not in TORCH_NAMESPACES:
             self.unpriced.add(str(packet))
         if collective_kind(func) is not None:
-            read = max((span_bytes(t) for t in _tensors((args, kwargs))), default=0)
+            read = max((span_bytes(t) for t in tensors_in((args, kwargs))), default=0)
             written = 0
         return Tally(ops=1, bytes_read=read, bytes_written=written, flops=flops)
 
@@ -249,19 +240,19 @@ class OpLedger(TorchDispatchMode):
         only where selected: as many elements as the result holds, or for ``nll_loss_forward``
         one per target.
         """
-        source, *rest = _tensors((args, kwargs))
+        source, *rest = tensors_in((args, kwargs))
         if func.overloadpacket is _A.nll_loss_forward:
             target = rest[0]
             selected = target.numel() * source.element_size()
         else:
-            selected = sum(t.numel() for t in _tensors(out)) * source.element_size()
+            selected = sum(t.numel() for t in tensors_in(out)) * source.element_size()
         return selected + sum(span_bytes(t) for t in rest)
 
     def _follow(self, func, args, kwargs, out, *, fresh: bool) -> None:
         """Starts following each result's storage (fresh ones only; views keep theirs alive)."""
         live = self._live
         known_inputs = None
-        for t in _tensors(out):
+        for t in tensors_in(out):
             key = _storage(t)
             if key is None:
                 continue
@@ -270,7 +261,7 @@ class OpLedger(TorchDispatchMode):
                 if not fresh:
                     continue
                 if known_inputs is None:
-                    known_inputs = {k[0] for k in map(_storage, _tensors((args, kwargs))) if k}
+                    known_inputs = {k[0] for k in map(_storage, tensors_in((args, kwargs))) if k}
                 if ptr in known_inputs:  # written into an argument made outside the ledger
                     continue
                 live.bytes[ptr] = nbytes

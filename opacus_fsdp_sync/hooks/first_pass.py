@@ -22,13 +22,14 @@ from ..profiling.phases import phase
 from .kept import output_meta
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor in ``obj``: a tensor, or lists, tuples and dicts of them (nested)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in tensors_in(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in tensors_in(o)]
     return []
 
 
@@ -82,8 +83,8 @@ class PassTrackingMixin:
     def _record_pass_inputs(self, module, forward_input, forward_output) -> None:
         self._captured[id(module)] = module
         self._outputs[id(module)] = output_meta(forward_output)
-        if not any(t.requires_grad for t in _tensors(forward_input)):
-            self._sources.extend(t for t in _tensors(forward_output) if t.requires_grad)
+        if not any(t.requires_grad for t in tensors_in(forward_input)):
+            self._sources.extend(t for t in tensors_in(forward_output) if t.requires_grad)
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Marks the layer as reported, keeps what one backward needs, runs Opacus's norms."""
