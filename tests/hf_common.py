@@ -86,23 +86,25 @@ def reference_sgd(
     return clipped
 
 
+#: The Trainer arguments every test shares: plain SGD at a constant rate, no logging to
+#: services, CPU.
+TRAINING_DEFAULTS = dict(
+    optim="sgd",
+    learning_rate=0.5,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=4,
+    max_steps=2,
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    logging_steps=1,
+    disable_tqdm=True,
+    weight_decay=0.0,
+)
+
+
 def training_arguments(out, **overrides):
-    """Plain SGD at a constant rate, no logging to services, CPU."""
+    """:data:`TRAINING_DEFAULTS` as ``TrainingArguments``, with ``overrides``."""
     from transformers import TrainingArguments
 
-    kwargs = dict(
-        output_dir=str(out),
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=4,
-        max_steps=2,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        weight_decay=0.0,
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    return TrainingArguments(**{**TRAINING_DEFAULTS, "output_dir": str(out), **overrides})

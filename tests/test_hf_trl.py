@@ -19,7 +19,7 @@ from opacus_fsdp_sync.errors import UnsupportedConfigurationError  # noqa: E402
 from opacus_fsdp_sync.integrations.transformers import DPArguments, DPSFTTrainer  # noqa: E402
 from opacus_fsdp_sync.models.tokenizer import char_tokenizer  # noqa: E402
 
-from .hf_common import reference_sgd, tiny_llama  # noqa: E402
+from .hf_common import TRAINING_DEFAULTS, reference_sgd, tiny_llama  # noqa: E402
 
 RECORDS = Path(__file__).parent.parent / "examples" / "data" / "instruct_tiny.jsonl"
 
@@ -30,23 +30,8 @@ def _records():
 
 
 def _config(out, **overrides):
-    kwargs = dict(
-        output_dir=str(out),
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=4,
-        max_steps=2,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_length=40,
-        bf16=False,
-    )
-    kwargs.update(overrides)
-    return SFTConfig(**kwargs)
+    kwargs = {**TRAINING_DEFAULTS, "output_dir": str(out), "max_length": 40, "bf16": False}
+    return SFTConfig(**{**kwargs, **overrides})
 
 
 def _dp(**overrides):
