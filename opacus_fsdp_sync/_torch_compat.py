@@ -24,3 +24,31 @@ def in_backward() -> bool:
             "Turn activation checkpointing off, or install a tested torch release.",
         )
     return fn() != -1
+
+
+def saved_operands(node) -> list[torch.Tensor]:
+    """The operands a binary autograd node (``MulBackward0`` and kin) holds for its backward.
+
+    Only tensors autograd holds itself are returned: one packed by saved-tensor hooks (activation
+    checkpointing, offloading) is left out, since unpacking it would run the hook (a
+    non-reentrant checkpoint would recompute its whole region). An operand the node did not save
+    (its partner needs no gradient) is left out too.
+
+    Args:
+        node: An autograd node (a tensor's ``grad_fn``).
+
+    Raises:
+        TorchInternalsError: if the node lacks ``_raw_saved_self``/``_raw_saved_other`` or a saved
+            tensor lacks ``unpack_hook`` (not the tested torch releases).
+    """
+    try:
+        raws = {"self": node._raw_saved_self, "other": node._raw_saved_other}
+        held = [n for n, raw in raws.items() if raw is not None and raw.unpack_hook is None]
+    except AttributeError as exc:
+        raise version_gate.internals_error(
+            "the RMSNorm norm from the forward's normalised input",
+            f"autograd nodes' _raw_saved_self/_raw_saved_other and unpack_hook ({exc})",
+            "Install a tested torch release.",
+        ) from exc
+    saved = [node._saved_self if n == "self" else node._saved_other for n in held]
+    return [t for t in saved if isinstance(t, torch.Tensor)]

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from opacus_fsdp_sync import PrivacyEngine
@@ -46,6 +47,15 @@ class OnePlusRMSNorm(NoEpsRMSNorm):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class ShiftedRMSNorm(NoEpsRMSNorm):
+    """Llama's forward with a last operation after the product (its output's node is an add)."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype) + 0.0
 
 
 for _cls in (NoEpsRMSNorm, OnePlusRMSNorm):  # what a name-based choice would take for Llama's
@@ -100,6 +110,7 @@ def counted(monkeypatch):
 
     monkeypatch.setattr(step, "clipped_sum", counting_sum)
     monkeypatch.setattr(rms_norm, "_VERDICTS", {}, raising=False)  # each test checks afresh
+    monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {}, raising=False)
     monkeypatch.setattr(room, "norm", counting_norm)
     monkeypatch.setattr(room, "clipped_grad", counting_grad)
     return calls
@@ -150,3 +161,86 @@ def test_probe_rejects_a_forward_that_ignores_eps_and_accepts_llama():
     assert not rms_norm.has_rms_formula(odd)
     assert rms_norm.rms_norm_samplers(nn.Sequential(odd, LlamaRMSNorm(H))) == {}
     assert LlamaRMSNorm in rms_norm.rms_norm_samplers(nn.Sequential(LlamaRMSNorm(H)))
+
+
+class CheckpointedNormNet(NormNet):
+    """The norm under non-reentrant activation checkpointing (its saved tensors are packed)."""
+
+    def forward(self, x):
+        h = checkpoint(self.norm, self.inp(x), use_reentrant=False)
+        return self.out(h)
+
+
+def _private_steps(net: nn.Module, one_backward: bool, steps: int = 2):
+    """Two private steps of ``net`` with clipping active; returns (ours, reference) parameters."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2 * B, T, D, generator=g), torch.randint(0, 8, (2 * B, T), generator=g)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(net), seq_sample_loss, x[:B], y[:B], 1.0)
+    C = norms.median().item()
+    assert 0 < (norms > C).sum() < B  # clipping active
+    model, ref = copy.deepcopy(net), copy.deepcopy(net)
+    engine = PrivacyEngine(one_backward=one_backward)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost")
+    for s in range(steps):
+        xs, ys = x[s * B : (s + 1) * B], y[s * B : (s + 1) * B]
+        logits = gsm(xs)
+        crit(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1), shape=(B, T)).backward()
+        opt.step()
+        opt.zero_grad()
+        clip_each_sample_step(ref, seq_sample_loss, xs, ys, C, 0.5)
+    ours = {k: p.detach() for k, p in model.named_parameters()}
+    return ours, {k: p.detach() for k, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+@pytest.mark.parametrize("case", ["llama", "one_plus_weight", "shifted", "llama_checkpointed"])
+def test_rms_norm_reads_the_normalised_input_its_forward_saved(case, one_backward, monkeypatch):
+    """Llama's ``w * xhat`` saves ``xhat`` for autograd: the norm reads it, never renormalising.
+
+    So does Gemma-like ``(1 + w) * xhat`` in fp32 (its cast is a no-op there). A forward whose
+    last operation is not the product, and a checkpointed norm (its saved tensors packed by the
+    checkpoint), renormalise the input, and the checkpoint is not made to recompute in forward:
+    the layer runs as often as with the route switched off. Every case is exact against the
+    clip-each-sample loop with clipping active.
+    """
+    monkeypatch.setattr(rms_norm, "_VERDICTS", {})
+    monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {})
+    calls = {"normalized": 0, "forward": 0}
+    normalized = rms_norm.normalized
+
+    def counting(x, eps):
+        calls["normalized"] += 1
+        return normalized(x, eps)
+
+    monkeypatch.setattr(rms_norm, "normalized", counting)
+    torch.manual_seed(0)
+    kinds = {"one_plus_weight": OnePlusRMSNorm, "shifted": ShiftedRMSNorm}
+    norm = kinds[case](H, eps=1e-6) if case in kinds else LlamaRMSNorm(H, eps=1e-6)
+    net = (CheckpointedNormNet if case == "llama_checkpointed" else NormNet)(norm)
+
+    def count_forward(*_):
+        calls["forward"] += 1
+
+    def run() -> dict:
+        assert rms_norm.has_rms_formula(net.norm)  # the probe, before counting
+        calls.update(normalized=0, forward=0)
+        hook = net.norm.register_forward_hook(count_forward)
+        try:
+            ours, ref = _private_steps(net, one_backward)
+        finally:
+            hook.remove()
+        assert _diff(ours, ref) <= TOL
+        return dict(calls)
+
+    routed = run()
+    routes = case in ("llama", "one_plus_weight")
+    assert rms_norm._SAVES_XHAT[type(norm)] is (routes or case == "llama_checkpointed")
+    # otherwise each step renormalises once, for the norm (the one-backward gradient reads the
+    # kept per-sample gradients; two passes take the gradient from autograd)
+    expected = 0 if routes else 2
+    assert routed["normalized"] == expected, routed
+    monkeypatch.setattr(rms_norm, "_VERDICTS", {})
+    monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {})
+    monkeypatch.setattr(rms_norm, "saved_normalized", lambda *a: None)
+    off = run()
+    assert routed["forward"] == off["forward"], (routed, off)

@@ -28,6 +28,7 @@ from ..distributed.layout import Layout, detect_layout
 from ..distributed.tensor_parallel import on_tp_mesh
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
+from ..layers.norms import saved_normalized
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
@@ -220,7 +221,9 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
         if not isinstance(self, GradSampleHooksFastGradientClippingFSDP) or any(
             True for _ in module.parameters(recurse=False)
         ):
-            return super().capture_activations_hook(module, forward_input, forward_output)
+            result = super().capture_activations_hook(module, forward_input, forward_output)
+            self._keep_normalized(module, forward_input, forward_output)
+            return result
         # FSDP1 inside forward: parameters unregistered; Opacus's FSDP capture, with our check.
         if in_backward() or not (
             self._is_trainable(module)
@@ -233,6 +236,7 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
         if not hasattr(module, "activations"):
             module.activations = []
         module.activations.append([t.detach() for t in forward_input])
+        self._keep_normalized(module, forward_input, forward_output)
         module._forward_counter = getattr(module, "_forward_counter", 0) + 1
         if module._forward_counter > 1:
             raise NotImplementedError(
@@ -240,6 +244,32 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
                 "clipping needs one call per layer per forward."
             )
         return None
+
+    def _keep_normalized(self, module, forward_input, forward_output) -> None:
+        """An RMSNorm layer keeps its forward's normalised input in place of its input.
+
+        Where the layer's forward saved ``xhat`` for autograd
+        (:func:`..layers.norms.saved_normalized`), the entry this forward just captured (the
+        input, same memory as ``forward_input[0]``) is replaced by it: the norm then reads it
+        instead of renormalising the input, and the input is not held beyond the forward.
+        """
+        if not forward_input or type(forward_input[0]) is not torch.Tensor:
+            return
+        x = forward_input[0]
+        try:
+            entry = module.activations[-1]
+        except (AttributeError, IndexError):
+            return  # nothing captured
+        captured = entry[0] if entry else None
+        if (
+            type(captured) is not torch.Tensor
+            or captured.data_ptr() != x.data_ptr()
+            or captured.shape != x.shape
+        ):
+            return  # not this forward's capture of x
+        xhat = saved_normalized(module, x, forward_output)
+        if xhat is not None:
+            entry[0] = xhat
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Local output gradients, as the layer's input covers them (:meth:`_tp_output_grads`)."""

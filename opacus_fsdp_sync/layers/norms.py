@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 )
 from torch import nn
 
+from .._torch_compat import saved_operands
 from ..distributed.tensor_parallel import sum_sequence_shards
 from .registry import (
     LayerRoom,
@@ -55,6 +57,11 @@ EPS_ATTRIBUTES = ("variance_epsilon", "eps")
 PROBE_RTOL = 1e-5
 
 _VERDICTS: dict[type, bool] = {}
+#: Per verified type: whether its forward's last node saves exactly :func:`normalized` of its
+#: input (checked on the same probe), so that the norm can read it instead of renormalising.
+_SAVES_XHAT: dict[type, bool] = {}
+#: The normalised inputs taken from forward graphs (:func:`saved_normalized`), by ``id``.
+_NORMALIZED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def layer_type(module: nn.Module) -> type:
@@ -81,9 +88,56 @@ def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return h.to(x.dtype)
 
 
+def graph_normalized(output, x: torch.Tensor) -> torch.Tensor | None:
+    """The operand of ``output``'s multiplication node with ``x``'s shape and dtype, or None.
+
+    For ``y = w * xhat`` it is ``xhat``, which autograd keeps for the weight's gradient. None
+    where ``output`` is not a plain tensor made by a multiplication, or where the operand is held
+    by saved-tensor hooks (:func:`.._torch_compat.saved_operands`).
+    """
+    node = output.grad_fn if type(output) is torch.Tensor else None
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    for t in saved_operands(node):
+        if type(t) is torch.Tensor and t.shape == x.shape and t.dtype == x.dtype:
+            return t
+    return None
+
+
+def saved_normalized(layer: nn.Module, x, output) -> torch.Tensor | None:
+    """The layer's normalised input as its forward saved it, or None; marked as normalised.
+
+    Only for a type whose probe showed the saved operand to be bit for bit :func:`normalized`
+    of the input. The room's norm and gradient read a marked tensor as ``xhat`` instead of
+    renormalising (the fp32 widening, square, mean, product and narrowing: about 16 passes over
+    the input's bytes), and the hooks keep it instead of the input (autograd holds it anyway).
+
+    Args:
+        layer: A hooked layer.
+        x: Its input, as captured.
+        output: Its output.
+    """
+    if type(x) is not torch.Tensor or not _SAVES_XHAT.get(layer_type(layer), False):
+        return None
+    saved = graph_normalized(output, x)
+    if saved is None:
+        return None
+    xhat = saved.detach()
+    _NORMALIZED[id(xhat)] = xhat
+    return xhat
+
+
+def _xhat(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` itself when marked by :func:`saved_normalized`, else :func:`normalized`."""
+    return x if _NORMALIZED.get(id(x)) is x else normalized(x, eps)
+
+
 def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(N, H)``: sample n's weight gradient ``sum_t dy_t * xhat_t`` (batch first)."""
-    xhat = normalized(x, eps)
+    """``(N, H)``: sample n's weight gradient ``sum_t dy_t * xhat_t`` (batch first).
+
+    ``x`` is the layer's input, or its normalised input marked by :func:`saved_normalized`.
+    """
+    xhat = _xhat(x, eps)
     tokens = math.prod(dy.shape[1:-1])  # not -1: a batch may be empty
     return (dy.to(xhat.dtype) * xhat).reshape(dy.shape[0], tokens, dy.shape[-1]).sum(dim=1)
 
@@ -141,6 +195,11 @@ def formula_error(module: nn.Module, cls: type, hidden: int = 8) -> float:
     samples of four tokens, rows scaled from ``sqrt(eps)`` to 30, with a random weight, and takes
     each sample's weight gradient by autograd. Its random numbers come from a private generator.
     """
+    return _probe(module, cls, hidden)[0]
+
+
+def _probe(module: nn.Module, cls: type, hidden: int = 8) -> tuple[float, bool]:
+    """:func:`formula_error`, and whether every probe forward saved exactly ``xhat``."""
     eps = epsilon(module)
     weight = module.weight
     device = weight.device if weight.device.type != "meta" else torch.device("cpu")
@@ -153,16 +212,20 @@ def formula_error(module: nn.Module, cls: type, hidden: int = 8) -> float:
     dy = torch.randn(3, 4, hidden, generator=gen)
     w, x, dy = (t.to(device=device, dtype=dtype) for t in (w, x, dy))
     probe = _probe_layer(module, cls, w)
+    saves_xhat = True
     with torch.enable_grad():
         grads = []
         for n in range(x.shape[0]):
-            out = probe(x[n : n + 1])
+            xs = x[n : n + 1]
+            out = probe(xs)
+            saved = graph_normalized(out, xs)
+            saves_xhat &= saved is not None and torch.equal(saved, normalized(xs, eps))
             (g,) = torch.autograd.grad(out, probe.weight, dy[n : n + 1])
             grads.append(g)
     auto = torch.stack(grads).float()
     ours = per_sample_weight_grads(x, dy, eps).float()
     err = ((ours - auto).abs().max() / auto.abs().max().clamp(min=1e-30)).item()
-    return err if err == err else float("inf")  # NaN: not verified
+    return (err if err == err else float("inf")), saves_xhat  # NaN: not verified
 
 
 def has_rms_formula(module: nn.Module, cls: type | None = None) -> bool:
@@ -178,12 +241,14 @@ def has_rms_formula(module: nn.Module, cls: type | None = None) -> bool:
     if not is_candidate(module, cls):
         return False
     try:
-        err = formula_error(module, cls)
+        err, saves_xhat = _probe(module, cls)
         why = f"max relative error {err:.2e} on a probe"
     except Exception as exc:  # noqa: BLE001 - any failure means: not verified
-        err, why = float("inf"), f"the probe failed: {type(exc).__name__}: {exc}"
+        err, saves_xhat = float("inf"), False
+        why = f"the probe failed: {type(exc).__name__}: {exc}"
     ok = err <= PROBE_RTOL
     _VERDICTS[cls] = ok
+    _SAVES_XHAT[cls] = ok and saves_xhat
     if ok:
         logger.info("[Ghost] %s: direct RMSNorm weight-gradient formula (%s)", cls.__name__, why)
     else:
@@ -285,7 +350,7 @@ class RMSNormRoom(LayerRoom):
         """``sum_t dy_t * xhat_t`` over the batch and the positions, of the scaled gradient."""
         grad_out = scale_rows(grad_out, scale)
         x = inputs[0]
-        xhat = normalized(x, epsilon(layer))
+        xhat = _xhat(x, epsilon(layer))
         grad = (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)
         # sequence parallelism: this rank's tokens only, summed over tp
         return {"weight": sum_sequence_shards(grad, sequence_group)}
