@@ -142,9 +142,8 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
     """Counted: the one-backward step runs the non-private step's matmuls plus, with ghost norms,
     the Gram matrices (6 output Grams + 3 shared input Grams; with row blocks of 4 tokens, their
     upper block triangles: 68 of 100 entries at T = 10) and their contraction (batched dots of
-    ``2 N`` FLOPs per entry and layer, and per entry of each diagonal block but the last, which
-    counts once), or, with per-sample gradients, one
-    weighted sum per parameter (``2 N d_in d_out``): nothing else."""
+    ``2 N`` FLOPs per entry and layer, each entry dotted once), or, with per-sample gradients,
+    one weighted sum per parameter (``2 N d_in d_out``): nothing else."""
     from torch import nn
 
     from opacus_fsdp_sync.profiling import PhaseFlopCounter
@@ -172,11 +171,12 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
         outs = [m.out_features for m in layers]
         ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
         entries = {0: T * T, 4: 4 * 10 + 4 * 6 + 2 * 2}[gram_block]
-        dotted = entries + {0: 0, 4: 4 * 4 + 4 * 4}[gram_block]
-        extra = 2 * B * entries * (sum(outs) + sum(ins)) + 2 * B * dotted * len(layers)
+        # each Gram element is dotted once
+        extra = 2 * B * entries * (sum(outs) + sum(ins)) + 2 * B * entries * len(layers)
         blocks = 3 if gram_block else 1
         assert bmm.bmm == (6 + 3) * blocks  # one bmm per row block
-        assert bmm.dots == 6 * (2 * blocks - 1)  # per row block, and per diagonal block but one
+        # per row block, its diagonal block and the rest of its row apart (the last: one)
+        assert bmm.dots == 6 * (2 * blocks - 1)
     total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
     print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, extra {extra}")
     assert total_ours == total_nodp + extra

@@ -18,8 +18,9 @@ Precision and traffic: every Gram piece is held in fp32 (fp64 for fp64 inputs). 
 matmul writes fp32 itself from fp16/bf16 inputs (``out_dtype``, accumulated in fp32); elsewhere
 (torch has no such CPU kernel) each row block is widened once after its matmul, and an input
 Gram's once for all the layers that read it. Two row blocks are contracted by batched dot
-products (a ``bmm`` of ``1 x K`` by ``K x 1`` per sample, over the whole row block and over the
-rows of its diagonal block, which count once): no elementwise product is written.
+products (a ``bmm`` of ``1 x K`` by ``K x 1`` per row, over the row block's diagonal block,
+which counts once, and over the rest of the row, which counts twice): no elementwise product is
+written, and each Gram element is read once.
 
 Block sizes (``gram_block="auto"``, resolved per layer from the activation's device):
 
@@ -159,14 +160,15 @@ def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).view(n)
 
 
-def _leading_dot(a: torch.Tensor, b: torch.Tensor, w: int) -> torch.Tensor:
-    """``(N,)``: the batched dot of the leading ``w x w`` blocks of ``(N, w, K)`` row blocks.
+def _row_dots(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``(N,)``: the batched dot of columns ``lo .. hi`` of ``(N, w, K)`` row blocks.
 
-    The block's rows are views (``N w`` rows of ``w`` values, ``K`` apart): one batched matmul
-    of ``N w`` row pairs, no copy.
+    The columns are views (``N w`` rows of ``hi - lo`` values, ``K`` apart): one batched matmul
+    of ``N w`` row pairs, no copy, each element read once.
     """
-    n = a.shape[0]
-    rows = torch.bmm(a[:, :, :w].reshape(n * w, 1, w), b[:, :, :w].reshape(n * w, w, 1))
+    n, w = a.shape[:2]
+    k = hi - lo
+    rows = torch.bmm(a[:, :, lo:hi].reshape(n * w, 1, k), b[:, :, lo:hi].reshape(n * w, k, 1))
     return rows.view(n, w).sum(1)
 
 
@@ -195,8 +197,9 @@ def contract_output_grams(
     for a_i, (s, w) in zip(aat, row_blocks(g.shape[1], block)):
         ggt = wide_bmm(g[:, s : s + w], gt[:, :, s:])
         a_i = a_i.to(ggt.dtype)
-        part = batched_dot(a_i, ggt)
         if ggt.shape[2] > w:  # the diagonal block once, the rest of the row twice
-            part = 2 * part - _leading_dot(a_i, ggt, w)
+            part = _row_dots(a_i, ggt, 0, w) + 2 * _row_dots(a_i, ggt, w, ggt.shape[2])
+        else:
+            part = batched_dot(a_i, ggt)
         w_sq = part if w_sq is None else w_sq + part
     return w_sq, b_sq
