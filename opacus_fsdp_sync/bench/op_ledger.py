@@ -173,6 +173,11 @@ class OpLedger(TorchDispatchMode):
         """Bytes of the storages made inside the ledger that are alive now."""
         return self._live.total
 
+    @property
+    def peak_bytes(self) -> int:
+        """The largest live bytes over every phase so far (0 before any op)."""
+        return max((m.peak for m in self.memory.values()), default=0)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
