@@ -183,11 +183,15 @@ class SharedPoissonSampler(Sampler[list[int]]):
             ValueError: if the checkpoint was taken with another dataset size, sample rate or
                 epoch length.
         """
-        for key in ("num_samples", "sample_rate", "steps"):
-            if state[key] != getattr(self, key):
+        for key, ours in (
+            ("num_samples", self.num_samples),
+            ("sample_rate", self.sample_rate),
+            ("steps", self.steps),
+        ):
+            if state[key] != ours:
                 raise ValueError(
                     f"The checkpoint's sampler has {key}={state[key]}, this run "
-                    f"{getattr(self, key)}: it was taken with another dataset or batch size. "
+                    f"{ours}: it was taken with another dataset or batch size. "
                     "Resume with the same data loader (dataset and batch_size) as the run that "
                     "saved it."
                 )
