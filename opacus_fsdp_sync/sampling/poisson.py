@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 import torch.distributed as dist
@@ -243,7 +243,7 @@ class SharedPoissonDataLoader(DataLoader):
         """
         del secure
         dataset = data_loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
             raise ValueError(
                 "Poisson sampling needs a map-style dataset with len() and integer indexing; "
                 f"got {type(dataset).__name__}. Use a map-style Dataset, or pass "
