@@ -113,9 +113,14 @@ class GhostOptions:
             raise ValueError(
                 f"keep_unsharded={self.keep_unsharded!r}: choose True, False or 'auto'"
             )
-        for name in ("sync_optimization", "restricted_first_pass", "one_backward", "fast_norms"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        for name, flag in (
+            ("sync_optimization", self.sync_optimization),
+            ("restricted_first_pass", self.restricted_first_pass),
+            ("one_backward", self.one_backward),
+            ("fast_norms", self.fast_norms),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r}: must be True or False")
         budget = self.keep_unsharded_budget_bytes
         if budget is not None and budget < 0:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
@@ -124,8 +129,8 @@ class GhostOptions:
                 f"fused_kernels={self.fused_kernels!r}: choose None (automatic: on CUDA when "
                 "triton imports), True or False"
             )
-        for name in ("one_backward_memory_budget", "tune_norms_memory_budget"):
-            check_budget(name, getattr(self, name))
+        check_budget("one_backward_memory_budget", self.one_backward_memory_budget)
+        check_budget("tune_norms_memory_budget", self.tune_norms_memory_budget)
 
     @property
     def effective(self) -> GhostOptions:

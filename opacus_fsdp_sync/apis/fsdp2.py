@@ -10,7 +10,7 @@ group's unsharded gradients are alive at a time (plus, on CUDA, the one whose re
 in flight), and on CUDA the next group's weight-gradient matmuls overlap the reduce-scatter,
 which FSDP2 runs on its own stream. The DP optimizer draws noise for the local shard only
 (:class:`~opacus_fsdp_sync.optimizers.ShardedNoiseFSDPOptimizer`). The private attributes are in
-:mod:`._fsdp2_internals`.
+:mod:`._fsdp2_internals` and, for the hand-off, :mod:`._fsdp2_handoff_internals`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 
 from torch import nn
 
+from ..distributed import _fsdp2_handoff_internals as handoff_internals
 from ..distributed import _fsdp2_internals as internals
 from ..distributed import version_gate
 from ..distributed.layout import listing, world_size
@@ -193,7 +194,7 @@ class FSDP2Handoff:
         """
         from ..one_backward.step import by_parameter
 
-        groups, index = internals.param_group_index(self.modules)
+        groups, index = handoff_internals.param_group_index(self.modules)
         entries = list(kept)
         kept.clear()
         owners = [self._groups_of(entry[0], index) for entry in entries]
@@ -210,7 +211,7 @@ class FSDP2Handoff:
                     entries[j] = None
                 for pid, (param, grad) in grads.items():
                     if pid not in index:
-                        raise internals.unmanaged_param_error(param)
+                        raise handoff_internals.unmanaged_param_error(param)
                     if pid in pending:  # a shared weight: its uses add up
                         grad = pending[pid][1] + grad
                     pending[pid] = (param, grad)
@@ -220,14 +221,14 @@ class FSDP2Handoff:
                     fp, grad = index[pid][1], pending.pop(pid)[1]
                     # a tp shard becomes a DTensor of the unsharded parameter's placements
                     grad = as_param_grad(internals.unsharded_param(fp), grad)
-                    internals.set_unsharded_grad(fp, grad)
-                internals.group_post_backward(groups[gi])
+                    handoff_internals.set_unsharded_grad(fp, grad)
+                handoff_internals.group_post_backward(groups[gi])
         if pending:  # cannot happen: every parameter's group was visited
             raise internals.FSDPInternalsError(
                 f"{len(pending)} clipped gradient(s) were left undelivered"
             )
         with reduce_phase():
-            internals.finish_backward(self.modules)
+            handoff_internals.finish_backward(self.modules)
 
     @staticmethod
     def _groups_of(module: nn.Module, index: dict) -> set[int]:
@@ -235,7 +236,7 @@ class FSDP2Handoff:
         for p in module.parameters(recurse=False):
             if p.requires_grad:
                 if id(p) not in index:
-                    raise internals.unmanaged_param_error(p)
+                    raise handoff_internals.unmanaged_param_error(p)
                 out.add(index[id(p)][0])
         return out
 

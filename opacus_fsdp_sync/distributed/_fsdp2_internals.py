@@ -43,11 +43,6 @@ VERIFIED_TORCH_VERSIONS = version_gate.TESTED_TORCH_VERSIONS
 SEPARATE = "separate"
 LEAF = "leaf"
 
-_HANDOFF = "the FSDP2 one-backward hand-off"
-_HANDOFF_REMEDY = (
-    "Pass one_backward=False to PrivacyEngine (the two-pass step), or install a tested torch "
-    "release."
-)
 _REMEDY = (
     "Pass sync_optimization=False to PrivacyEngine to run upstream Opacus unchanged, or install "
     "a tested torch release."
@@ -62,14 +57,12 @@ _FEATURE = "the FSDP2 sync-skipping step"
 
 
 def _fail(what: str, feature: str = _FEATURE) -> FSDPInternalsError:
-    remedy = _HANDOFF_REMEDY if feature == _HANDOFF else _REMEDY
-    return version_gate.internals_error(feature, what, remedy, cls=FSDPInternalsError)
+    return version_gate.internals_error(feature, what, _REMEDY, cls=FSDPInternalsError)
 
 
 def _access(what: str, feature: str = _FEATURE):
     """A ``with`` block in which an ``AttributeError`` becomes a versioned error."""
-    remedy = _HANDOFF_REMEDY if feature == _HANDOFF else _REMEDY
-    return version_gate.private_access(feature, what, remedy, cls=FSDPInternalsError)
+    return version_gate.private_access(feature, what, _REMEDY, cls=FSDPInternalsError)
 
 
 @functools.cache
@@ -327,84 +320,6 @@ def handed_dtensors(modules: list[nn.Module]) -> dict[int, bool]:
     return out
 
 
-# --- One-backward hand-off (opacus_fsdp_sync.one_backward) -----------------------------------
-
-
-def param_group_index(modules: list[nn.Module]) -> tuple[list, dict[int, tuple[int, object]]]:
-    """FSDP2's parameter groups (backward order last) and ``{id(param): (group index, FSDPParam)}``.
-
-    Both the sharded and the unsharded parameter of each ``FSDPParam`` are indexed, so a
-    parameter is found whichever of them its module has registered now.
-    """
-    groups = list(iter_param_groups(modules))
-    index: dict[int, tuple[int, object]] = {}
-    for i, group in enumerate(groups):
-        for fp in fsdp_params(group):
-            index[id(fp.sharded_param)] = (i, fp)
-            up = unsharded_param(fp)
-            if up is not None:
-                index[id(up)] = (i, fp)
-    return groups, index
-
-
-def set_unsharded_grad(fp, grad: torch.Tensor) -> None:
-    """Adds ``grad`` (a full gradient) to the unsharded gradient of ``fp``, as autograd would.
-
-    The gradient is cast to the parameter dtype, the dtype autograd produces in a reducing
-    backward; an unsynchronised gradient already there (the user's own micro-batches, in the
-    reduce dtype) is added to. From torch 2.15 on, FSDP2's pre-backward of a reducing backward
-    lifts the unsharded parameter's ``grad_dtype`` restriction so that autograd may store such a
-    gradient; this does the same where needed.
-
-    Raises:
-        FSDPInternalsError: if the unsharded parameter is missing or of another shape.
-    """
-    up = unsharded_param(fp)
-    if up is None or tuple(up.shape) != tuple(grad.shape):
-        raise _fail("FSDPParam._unsharded_param of the gradient's shape", _HANDOFF)
-    grad = grad.to(up.dtype)
-    if up.grad is not None:  # user's unsynced micro-batches
-        up.grad = up.grad + grad
-        return
-    if unsynced_grad_layout() == LEAF and getattr(up, "grad_dtype", None) not in (None, grad.dtype):
-        up.grad_dtype = None  # FSDP2's post-backward sets it back after the reduce-scatter
-    up.grad = grad
-
-
-def group_post_backward(group) -> None:
-    """FSDP2's own post-backward of one group: reduce-scatter (or accumulate) and reshard.
-
-    Raises:
-        FSDPInternalsError: if the group has no ``post_backward``.
-    """
-    if not hasattr(group, "post_backward"):
-        raise _fail("FSDPParamGroup.post_backward", _HANDOFF)
-    group.post_backward()
-
-
-def finish_backward(modules: list[nn.Module]) -> None:
-    """Each root's final backward callback: FSDP2 waits for its reductions and goes idle.
-
-    From torch 2.15 on the callback expects the backward's finalisation mode to have been
-    recorded by the root's pre-backward, which the first pass's own end of backward cleared;
-    it is recorded again here, as the pre-backward would.
-
-    Raises:
-        FSDPInternalsError: if a root lacks the callback.
-    """
-    for module in modules:
-        state = module._get_fsdp_state()
-        if getattr(state, "_is_root", False):
-            if not hasattr(state, "_root_post_backward_final_callback"):
-                raise _fail("FSDPState._root_post_backward_final_callback", _HANDOFF)
-            ctx = getattr(state, "_state_ctx", None)
-            if hasattr(ctx, "manual_backward_finalization_active"):  # torch >= 2.15
-                with _access("FSDPStateContext.manual_backward_finalization", _HANDOFF):
-                    if ctx.manual_backward_finalization_active is None:
-                        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
-            state._root_post_backward_final_callback()
-
-
 # --- Recovery after a failed step -------------------------------------------------------------
 
 
@@ -448,18 +363,6 @@ def reset_after_failure(modules: list[nn.Module]) -> None:
         remedy,
         cls=FSDPInternalsError,
     ) from last_error
-
-
-def unmanaged_param_error(param: torch.Tensor) -> FSDPInternalsError:
-    """The error for a parameter that received a clipped gradient but is not FSDP2's.
-
-    Not a version problem: the message names the way out, not the torch release.
-    """
-    return FSDPInternalsError(
-        f"a parameter of shape {tuple(param.shape)} that received a clipped gradient is "
-        "not managed by FSDP2; shard every trainable parameter or pass "
-        "one_backward=False to PrivacyEngine."
-    )
 
 
 def swap_local(dt: torch.Tensor, local: torch.Tensor) -> None:

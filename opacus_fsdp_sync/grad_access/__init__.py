@@ -3,7 +3,8 @@
 - :mod:`.microbatch`: where each API keeps unsynchronised gradients; :func:`microbatch` yields
   one microbatch's gradients alone; :func:`sync_disabled` turns sync off on any API.
 - :mod:`.ops`: per-layer operations on synced gradients' local shards: norms (one all-reduce),
-  freezing, snapshots, weighted combination, same-sign filtering.
+  freezing.
+- :mod:`.snapshots`: copies of those shards, weighted combination, same-sign filtering.
 
 Parameters are named as the user's model names them (wrapper prefixes removed), and layers by
 module prefixes of those names (``"model.layers.3"``), the same on every API.
@@ -18,17 +19,13 @@ from .microbatch import (
 )
 from .ops import (
     GradNorms,
-    GradSnapshot,
-    add_grads,
     freeze_outside,
     full_grads,
     layer_grad_norms,
-    load_grads,
     local_grads,
-    same_sign_filter,
-    save_grads,
     select,
 )
+from .snapshots import GradSnapshot, add_grads, load_grads, same_sign_filter, save_grads
 
 __all__ = [
     "GradNorms",

@@ -22,6 +22,8 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
+from .._opacus_internals import forget_step_state
+
 #: What one backward keeps per layer: ``(layer, inputs, output gradient)``, or
 #: ``(layer, None, per-sample gradients by parameter name)``.
 Kept = list[tuple[nn.Module, object, object]]
@@ -134,15 +136,7 @@ def reset_opacus_step_state(hooks) -> None:
     next forward fails with a misleading "Parameter tying is not supported" error.
     """
     for module in hooks.iterate_submodules(hooks._module):
-        if hasattr(module, "activations"):
-            module.activations = []
-        if hasattr(module, "_forward_counter"):
-            module._forward_counter = 0
-        if hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-        for p in module.parameters(recurse=False):
-            if hasattr(p, "_forward_counter"):
-                p._forward_counter = 0
+        forget_step_state(module)
 
 
 class OpacusStepHooks:

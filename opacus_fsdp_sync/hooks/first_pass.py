@@ -16,6 +16,7 @@ import torch
 from opacus.utils.module_utils import requires_grad
 from torch import nn
 
+from .._opacus_internals import captured_activations
 from .._torch_compat import in_backward
 from ..layers.registry import take_per_sample
 from ..profiling.phases import phase
@@ -94,7 +95,7 @@ class PassTrackingMixin:
             policy.active = self.keep_for_grads  # only the one-backward step uses them
         if self.hooks_enabled:
             self._reported.add(id(module))
-            if self.keep_for_grads and getattr(module, "activations", None):
+            if self.keep_for_grads and captured_activations(module):
                 entry = (module, module.activations[-1], forward_output[0].detach())
         timer = self._norm_timer if self.hooks_enabled else None
         timed = timer.phase("norms") if timer is not None else contextlib.nullcontext()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .._opacus_internals import captured_activations
 from .contract import Kept, KeptLayer
 
 
@@ -81,7 +82,7 @@ def estimate(
     """
     out = []
     for module in captured:
-        acts = getattr(module, "activations", None)
+        acts = captured_activations(module)
         meta = outputs.get(id(module))
         if not acts or meta is None:
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._opacus_internals import captured_activations
 from ..layers.generic import ForwardCall, ReplayInputs
 from ..layers.registry import room_named
 
@@ -40,18 +41,18 @@ class ReplayMixin:
 
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Upstream's capture; the captured inputs of a replayed layer carry its call."""
-        acts = getattr(module, "activations", None)
+        acts = captured_activations(module)
         before = len(acts) if acts is not None else 0
         result = super().capture_activations_hook(module, forward_input, forward_output)
         call = module.__dict__.pop("_replay_next", None)
-        acts = getattr(module, "activations", None)
+        acts = captured_activations(module)
         if id(module) in self._replayed and acts is not None and len(acts) > before:
             acts[-1] = ReplayInputs(acts[-1], call)
         return result
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Exposes the call of the inputs about to be used as ``module._replay_call``."""
-        acts = getattr(module, "activations", None)
+        acts = captured_activations(module)
         last = acts[-1] if acts else None
         module._replay_call = last.call if isinstance(last, ReplayInputs) else None
         try:

@@ -21,6 +21,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
+from .._opacus_internals import module_norm_samples, param_norm_sample
 from ..distributed.layout import Layout
 from ..distributed.tensor_parallel import tp_norm_sum, tp_sharded
 
@@ -90,10 +91,10 @@ class StepNormsMixin:
             return [
                 ns
                 for m in self.iterate_submodules(self._module)
-                for ns in getattr(m, "norm_sample", ())
+                for ns in module_norm_samples(m)
                 if ns is not None
             ]
-        norms = (getattr(p, "_norm_sample", None) for p in self.trainable_parameters)
+        norms = (param_norm_sample(p) for p in self.trainable_parameters)
         return [ns for ns in norms if ns is not None]
 
     def get_norm_sample(self) -> torch.Tensor:
@@ -122,12 +123,12 @@ class StepNormsMixin:
             return [
                 p._norm_sample
                 for p in self.trainable_parameters
-                if getattr(p, "_norm_sample", None) is not None and tp_sharded(p) is partial
+                if param_norm_sample(p) is not None and tp_sharded(p) is partial
             ]
         return [
             ns
             for m in self.iterate_submodules(self._module)
-            for ns, flag in zip(getattr(m, "norm_sample", ()), self._tp_partial.get(id(m), ()))
+            for ns, flag in zip(module_norm_samples(m), self._tp_partial.get(id(m), ()))
             if ns is not None and flag is partial
         ]
 

@@ -20,6 +20,7 @@ from opacus.layers import DPGRU, DPLSTM, DPRNN
 from opacus.utils.module_utils import requires_grad, trainable_parameters
 from torch import nn
 
+from .._opacus_internals import activations_list, drop_batch_len_when_consumed, norm_samples_list
 from ..layers import tied as ct
 from ..layers.registry import room_named
 from ..layers.tied import SharedParameter, check_supported, find_shared_parameters, pad
@@ -75,9 +76,7 @@ class TiedNormMixin:
             or not self.hooks_enabled
         ):
             return
-        if not hasattr(module, "activations"):
-            module.activations = []
-        module.activations.append([t.detach() for t in forward_input])
+        activations_list(module).append([t.detach() for t in forward_input])
         for _, p in trainable_parameters(module):
             p._forward_counter += 1
             limit = len(self._owners_of(p)) if id(p) in self._tied_param_ids else 1
@@ -118,15 +117,13 @@ class TiedNormMixin:
                 self._add_use(s, module, activations[0], backprops, norms[current], scale)
         own = {p: (torch.zeros_like(ns) if id(p) in shared_now else ns) for p, ns in norms.items()}
         self._store_own_norms(module, own)
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
+        drop_batch_len_when_consumed(module)
 
     def _store_own_norms(self, module: nn.Module, norms: dict) -> None:
         if self._tied_is_fsdp:
-            if not hasattr(module, "norm_sample"):
-                module.norm_sample = [None for _ in trainable_parameters(module)]
+            stored = norm_samples_list(module, trainable_parameters(module))
             for idx, ns in enumerate(norms.values()):
-                module.norm_sample[idx] = ns
+                stored[idx] = ns
             module._forward_counter -= 1
         else:
             for p, ns in norms.items():

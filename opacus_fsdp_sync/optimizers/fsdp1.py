@@ -14,6 +14,7 @@ from opacus.optimizers.fsdpoptimizer_fast_gradient_clipping import (
     FSDPOptimizerFastGradientClipping,
 )
 
+from .._opacus_internals import noise_multiplier_in_force
 from ..randomness import shard_generator
 from .noised_step import FlatNoiseStep, add_to_sum
 
@@ -84,7 +85,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
 
         for p, state in zip(*self._owned()):
             summed = state["summed_grad"]
-            multiplier = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+            multiplier = noise_multiplier_in_force(self)
             noise = _generate_noise(
                 std=multiplier * self.max_grad_norm,
                 reference=summed,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._opacus_internals import noise_multiplier_in_force
 from . import noise_prefetch as draws
 from .noise_prefetch import NoisePrefetch, noise_layout
 
@@ -45,7 +46,7 @@ def noise_plan(
 def optimizer_noise_plan(opt, accumulated: int) -> tuple[float, float]:
     """:func:`noise_plan` for an Opacus DP optimizer ``opt`` (its adjusted noise multiplier)."""
     return noise_plan(
-        noise_multiplier=getattr(opt, "_adjusted_noise_multiplier", opt.noise_multiplier),
+        noise_multiplier=noise_multiplier_in_force(opt),
         max_grad_norm=opt.max_grad_norm,
         loss_reduction=opt.loss_reduction,
         expected_batch_size=opt.expected_batch_size,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 import torch.distributed as dist
@@ -183,11 +183,15 @@ class SharedPoissonSampler(Sampler[list[int]]):
             ValueError: if the checkpoint was taken with another dataset size, sample rate or
                 epoch length.
         """
-        for key in ("num_samples", "sample_rate", "steps"):
-            if state[key] != getattr(self, key):
+        for key, ours in (
+            ("num_samples", self.num_samples),
+            ("sample_rate", self.sample_rate),
+            ("steps", self.steps),
+        ):
+            if state[key] != ours:
                 raise ValueError(
                     f"The checkpoint's sampler has {key}={state[key]}, this run "
-                    f"{getattr(self, key)}: it was taken with another dataset or batch size. "
+                    f"{ours}: it was taken with another dataset or batch size. "
                     "Resume with the same data loader (dataset and batch_size) as the run that "
                     "saved it."
                 )
@@ -239,7 +243,7 @@ class SharedPoissonDataLoader(DataLoader):
         """
         del secure
         dataset = data_loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
             raise ValueError(
                 "Poisson sampling needs a map-style dataset with len() and integer indexing; "
                 f"got {type(dataset).__name__}. Use a map-style Dataset, or pass "

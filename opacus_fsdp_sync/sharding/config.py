@@ -80,8 +80,9 @@ class ShardingConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{field}={value!r}: choose one of {', '.join(allowed)}")
-        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-            _dtype(getattr(self, field), field)
+        _dtype(self.param_dtype, "param_dtype")
+        _dtype(self.reduce_dtype, "reduce_dtype")
+        _dtype(self.output_dtype, "output_dtype")
         if self.min_num_params < 1:
             raise ValueError(f"min_num_params={self.min_num_params}: must be at least 1")
         if self.replicate_degree is not None and self.replicate_degree < 1:

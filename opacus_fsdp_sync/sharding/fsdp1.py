@@ -47,7 +47,7 @@ def shard_fsdp1(model: nn.Module, config: ShardingConfig, device: torch.device, 
     return FSDP(
         model,
         auto_wrap_policy=policy,
-        sharding_strategy=getattr(ShardingStrategy, _STRATEGY[strategy]),
+        sharding_strategy=ShardingStrategy[_STRATEGY[strategy]],
         mixed_precision=mixed,
         cpu_offload=CPUOffload(offload_params=True) if config.cpu_offload else None,
         device_id=device,

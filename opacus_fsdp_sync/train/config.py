@@ -127,23 +127,39 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model_path is None and self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}: choose one of {sorted(PRESETS)}")
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {allowed}")
-        for name in ("model_path", "init_from"):
-            if getattr(self, name) is not None and not Path(getattr(self, name)).is_dir():
+        for name, choice in (
+            ("task", self.task),
+            ("fsdp_api", self.fsdp_api),
+            ("mixed_precision", self.mixed_precision),
+            ("optimizer", self.optimizer),
+            ("lr_schedule", self.lr_schedule),
+        ):
+            if choice not in CHOICES[name]:
+                raise ValueError(f"{name}={choice!r}: choose one of {CHOICES[name]}")
+        for name, path in (("model_path", self.model_path), ("init_from", self.init_from)):
+            if path is not None and not Path(path).is_dir():
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r}: no such directory (a local Hugging Face "
+                    f"{name}={path!r}: no such directory (a local Hugging Face "
                     "model directory; nothing is downloaded)"
                 )
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction={self.heldout_fraction}: must be in (0, 1)")
-        for name in ("batch_size", "seq_length", "num_examples", "eval_every", "lora_r"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        for name in ("save_every", "checkpoint_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be 0 (off) or positive")
+        for name, count in (
+            ("batch_size", self.batch_size),
+            ("seq_length", self.seq_length),
+            ("num_examples", self.num_examples),
+            ("eval_every", self.eval_every),
+            ("lora_r", self.lora_r),
+        ):
+            if count < 1:
+                raise ValueError(f"{name}={count}: must be at least 1")
+        for name, every in (
+            ("save_every", self.save_every),
+            ("checkpoint_every", self.checkpoint_every),
+            ("keep_last", self.keep_last),
+        ):
+            if every < 0:
+                raise ValueError(f"{name}={every}: must be 0 (off) or positive")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.lr <= 0:
             raise ValueError("warmup_steps >= 0, weight_decay >= 0 and lr > 0 required")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:

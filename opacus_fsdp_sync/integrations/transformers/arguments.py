@@ -56,8 +56,10 @@ class DPArguments:
             raise ValueError(f"delta={self.delta}: must be in (0, 1)")
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be positive")
-        for name in ("logical_batch_size", "max_physical_batch_size"):
-            value = getattr(self, name)
+        for name, value in (
+            ("logical_batch_size", self.logical_batch_size),
+            ("max_physical_batch_size", self.max_physical_batch_size),
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer or None")
         if self.accountant not in ("prv", "rdp", "gdp"):

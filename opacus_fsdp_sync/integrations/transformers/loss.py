@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._hf_internals import base_model
+
 #: Label of a position no loss is computed on (Hugging Face and TRL collators).
 IGNORE_INDEX = -100
 
@@ -25,7 +27,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     return any(cls.__name__ in names for cls in type(base).__mro__)
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
+from ._hf_internals import checkpointing_requested, turn_off_checkpointing
 from .arguments import DPArguments
 from .batches import LogicalBatch, LogicalBatches, batch_size
 from .checkpoints import (
@@ -121,17 +122,14 @@ class DPTrainerMixin:
             self.is_distributed_loading_by_transformers = True
 
     def _turn_off_checkpointing(self) -> None:
-        names = ("gradient_checkpointing", "activation_checkpointing")
-        if any(getattr(self.args, name, False) for name in names):
+        if checkpointing_requested(self.args):
             logger.warning(
                 "[Ghost] activation checkpointing off (on by default in %s): recomputed "
                 "forwards would fire the per-layer norm hooks twice; memory is bounded by "
                 "max_physical_batch_size instead",
                 type(self.args).__name__,
             )
-            for name in names:
-                if hasattr(self.args, name):
-                    setattr(self.args, name, False)
+            turn_off_checkpointing(self.args)
 
     def _map_arguments(self) -> None:
         args, plan = self.args, self.dp_batches
@@ -248,8 +246,8 @@ class DPTrainerMixin:
             collate_fn=train_dataloader.collate_fn,
             max_physical_batch_size=self.dp_batches.max_physical_batch_size,
         )
-        for attr in ("optimizer", "lr_scheduler"):
-            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.optimizer = self.optimizer
+        self.callback_handler.lr_scheduler = self.lr_scheduler
         self.callback_handler.train_dataloader = batches
         return session.module, batches
 

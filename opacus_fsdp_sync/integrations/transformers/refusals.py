@@ -9,11 +9,22 @@ bypass the layers' hooks, losses the per-example criterion does not compute).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
 from dataclasses import dataclass
 
 from torch.utils.data import IterableDataset
 
 from ...errors import UnsupportedConfigurationError
+from ._hf_internals import (
+    data_parallel_gpus,
+    first_set_flag,
+    groups_by_length,
+    loss_type,
+    missing_trainer_methods,
+    parallelism_sizes,
+    replaced_methods,
+    sampling_strategy,
+)
 from .arguments import DPArguments
 
 logger = logging.getLogger(__name__)
@@ -92,24 +103,26 @@ def check_training_arguments(args) -> None:
     Raises:
         UnsupportedConfigurationError: naming the first refused setting and why.
     """
-    for name, why in {**_REFUSED_FLAGS, **_REFUSED_SFT_FLAGS}.items():
-        if getattr(args, name, None):
-            raise UnsupportedConfigurationError(f"{name}={getattr(args, name)!r}: {why}.")
-    strategy = getattr(args, "train_sampling_strategy", "random")
-    if strategy != "random" or getattr(args, "group_by_length", False):
+    refused = {**_REFUSED_FLAGS, **_REFUSED_SFT_FLAGS}
+    found = first_set_flag(args, refused)
+    if found is not None:
+        name, value = found
+        raise UnsupportedConfigurationError(f"{name}={value!r}: {refused[name]}.")
+    strategy = sampling_strategy(args)
+    if strategy != "random" or groups_by_length(args):
         raise UnsupportedConfigurationError(
             f"train_sampling_strategy={strategy!r}: the DP trainer draws every batch with the "
             "shared Poisson sampler (each example joins each step with probability q), which "
             "the accountant's epsilon assumes; samplers that order or group examples "
             "('sequential', 'group_by_length', 'batch_rebalance') are refused."
         )
-    loss_type = getattr(args, "loss_type", "nll")
-    if loss_type not in ("nll", None):
+    loss = loss_type(args)
+    if loss not in ("nll", None):
         raise UnsupportedConfigurationError(
-            f"loss_type={loss_type!r}: the DP trainer's per-example loss is the mean next-token "
+            f"loss_type={loss!r}: the DP trainer's per-example loss is the mean next-token "
             "cross-entropy (loss_type='nll')."
         )
-    if getattr(args, "n_gpu", 1) > 1:
+    if data_parallel_gpus(args) > 1:
         raise UnsupportedConfigurationError(
             f"n_gpu={args.n_gpu} (torch.nn.DataParallel): launch one process per device "
             "(torchrun) for DDP or FSDP2."
@@ -145,7 +158,7 @@ def check_trainer_version() -> None:
     """
     import transformers
 
-    missing = [name for name in TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
+    missing = missing_trainer_methods(transformers.Trainer, TRAINER_HOOKS)
     if missing:
         raise UnsupportedConfigurationError(
             f"transformers {transformers.__version__}: Trainer has no {', '.join(missing)}, "
@@ -181,11 +194,7 @@ def check_parallelism(accelerator) -> None:
     Raises:
         UnsupportedConfigurationError: naming the parallelism.
     """
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None:
-        return
-    for name in ("tp_size", "cp_size", "sp_size"):
-        size = getattr(config, name, 1) or 1
+    for name, size in parallelism_sizes(accelerator).items():
         if size > 1:
             raise UnsupportedConfigurationError(
                 f"parallelism_config.{name}={size}: the DP trainer runs data parallelism only "
@@ -206,7 +215,7 @@ def check_trainer(trainer, expected: dict[str, object]) -> None:
             or a subclass that replaces the training sampler or loader.
     """
     if isinstance(trainer.train_dataset, IterableDataset) or (
-        trainer.train_dataset is not None and not hasattr(trainer.train_dataset, "__len__")
+        trainer.train_dataset is not None and not isinstance(trainer.train_dataset, Sized)
     ):
         raise UnsupportedConfigurationError(
             "an iterable training set: Poisson sampling draws examples by index from a "
@@ -218,9 +227,9 @@ def check_trainer(trainer, expected: dict[str, object]) -> None:
             "(see opacus_fsdp_sync.integrations.transformers.loss); a batch-level loss cannot "
             "be clipped per example."
         )
-    for name, function in expected.items():
-        if getattr(type(trainer), name) is not function:
-            raise UnsupportedConfigurationError(
-                f"{type(trainer).__name__}.{name} is overridden: the DP trainer draws every "
-                "batch with the shared Poisson sampler, which the accountant's epsilon assumes."
-            )
+    replaced = replaced_methods(type(trainer), expected)
+    if replaced:
+        raise UnsupportedConfigurationError(
+            f"{type(trainer).__name__}.{replaced[0]} is overridden: the DP trainer draws every "
+            "batch with the shared Poisson sampler, which the accountant's epsilon assumes."
+        )

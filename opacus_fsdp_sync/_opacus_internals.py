@@ -1,0 +1,107 @@
+"""The one place that reads the state Opacus's hooks and optimizers keep on objects.
+
+Opacus's grad-sample hooks keep their per-step state as plain attributes on the user's layers and
+parameters (``activations``, ``max_batch_len``, ``_forward_counter``, ``norm_sample``,
+``_norm_sample``), and adaptive clipping sets ``_adjusted_noise_multiplier`` on the DP optimizer.
+None of them is declared: each appears once a hook or a clipping step has run, so "absent" is a
+normal state here, read as empty, not an error. Checked on opacus 1.6.0 (the release the suite
+runs on); a reader who upgrades Opacus checks these names in ``opacus/grad_sample/`` and
+``opacus/optimizers/`` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+def captured_activations(module: nn.Module) -> list | None:
+    """The inputs Opacus's capture hook keeps on a layer, one entry per forward call.
+
+    Reads ``module.activations`` (set by ``GradSampleModule.capture_activations_hook``).
+
+    Returns:
+        The list (possibly empty), or None when the hook never captured on this layer.
+    """
+    return getattr(module, "activations", None)
+
+
+def activations_list(module: nn.Module) -> list:
+    """``module.activations``, created empty first where the capture hook has not run yet.
+
+    Opacus's own capture hook does the same before appending a forward's inputs.
+    """
+    if not hasattr(module, "activations"):
+        module.activations = []
+    return module.activations
+
+
+def drop_batch_len_when_consumed(module: nn.Module) -> None:
+    """Deletes ``module.max_batch_len`` once every captured forward was used by a backward.
+
+    Opacus's backward hook does the same: the next forward measures the batch again.
+    """
+    if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+        del module.max_batch_len
+
+
+def forget_step_state(module: nn.Module) -> None:
+    """Forgets the activations and forward counters a failed step left on one layer.
+
+    Clears ``activations``, resets ``_forward_counter`` on the layer and on its own parameters
+    and deletes ``max_batch_len``, where Opacus's hooks set them.
+    """
+    if hasattr(module, "activations"):
+        module.activations = []
+    if hasattr(module, "_forward_counter"):
+        module._forward_counter = 0
+    if hasattr(module, "max_batch_len"):
+        del module.max_batch_len
+    for p in module.parameters(recurse=False):
+        if hasattr(p, "_forward_counter"):
+            p._forward_counter = 0
+
+
+def module_norm_samples(module: nn.Module) -> Sequence[torch.Tensor | None]:
+    """The per-sample norms Opacus's FSDP hooks stored on a layer, one per trainable parameter.
+
+    Reads ``module.norm_sample`` (``GradSampleModuleFastGradientClippingFSDP`` keeps norms per
+    module, with None for a parameter not reported).
+
+    Returns:
+        The stored list, or an empty tuple where the layer holds none.
+    """
+    return getattr(module, "norm_sample", ())
+
+
+def norm_samples_list(module: nn.Module, parameters: Iterable) -> list:
+    """``module.norm_sample``, created first with one None per parameter where none is stored.
+
+    Args:
+        module: The layer.
+        parameters: Its trainable parameters (only counted when the list is created).
+    """
+    if not hasattr(module, "norm_sample"):
+        module.norm_sample = [None for _ in parameters]
+    return module.norm_sample
+
+
+def param_norm_sample(param: torch.Tensor) -> torch.Tensor | None:
+    """The per-sample norm Opacus's ghost hooks stored on a parameter (``param._norm_sample``).
+
+    Returns:
+        The norm, or None where no hook reported one for this parameter.
+    """
+    return getattr(param, "_norm_sample", None)
+
+
+def noise_multiplier_in_force(optimizer) -> float:
+    """The noise multiplier an Opacus DP optimizer draws with now.
+
+    Adaptive clipping sets ``optimizer._adjusted_noise_multiplier`` (and keeps
+    ``noise_multiplier`` for accounting); Opacus's fast-gradient-clipping optimizer reads it the
+    same way, falling back to ``noise_multiplier``.
+    """
+    return getattr(optimizer, "_adjusted_noise_multiplier", optimizer.noise_multiplier)
