@@ -120,9 +120,7 @@ def _module_name(path: Path) -> str:
 
 def _core_modules() -> dict[str, Path]:
     mods = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-    core = {
-        n: p for n, p in mods.items() if not (n + ".").startswith(BENCH + ".")
-    }
+    core = {n: p for n, p in mods.items() if not (n + ".").startswith(BENCH + ".")}
     assert "opacus_fsdp_sync.privacy_engine" in core and len(core) > 30  # the walk found them
     return core
 

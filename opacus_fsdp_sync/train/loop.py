@@ -107,7 +107,8 @@ def train(cfg: TrainConfig) -> dict:
             batches, manager = run.loader, None
         else:
             manager = BatchMemoryManager(
-                data_loader=run.loader, max_physical_batch_size=cfg.physical_batch_size,
+                data_loader=run.loader,
+                max_physical_batch_size=cfg.physical_batch_size,
                 optimizer=run.opt,
             )
             batches = manager.__enter__()
