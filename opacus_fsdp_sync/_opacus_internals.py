@@ -64,6 +64,16 @@ def forget_step_state(module: nn.Module) -> None:
             p._forward_counter = 0
 
 
+def count_module_forward(module: nn.Module) -> int:
+    """Adds one to a layer's ``_forward_counter`` (from 0 where unset) and returns it.
+
+    Opacus's FSDP capture hook counts a layer's forward calls on the layer itself (its
+    parameters are not registered during FSDP1's forward).
+    """
+    module._forward_counter = getattr(module, "_forward_counter", 0) + 1
+    return module._forward_counter
+
+
 def module_norm_samples(module: nn.Module) -> Sequence[torch.Tensor | None]:
     """The per-sample norms Opacus's FSDP hooks stored on a layer, one per trainable parameter.
 

@@ -166,6 +166,15 @@ def test_no_module_only_re_exports_another():
     assert house.is_re_export(shim) and not house.is_re_export(ast.parse("def f():\n    pass\n"))
 
 
+def test_modules_stay_short_and_foreign_attributes_stay_in_the_internals():
+    """Every module reads as one job (at most 420 lines), and attribute probes
+    (``getattr``/``hasattr``) of Opacus's, Hugging Face's and torch's objects live in the
+    ``_internals`` modules: at most 40 elsewhere."""
+    c = house.counts()
+    assert c.longest[1] <= 420, c.longest
+    assert c.probes <= 40, c.probes
+
+
 def test_no_two_rooms_import_each_other():
     """Folders (and loose top-level modules) form no circle, imports inside functions included:
     mechanics below the records, the records below the step."""

@@ -23,6 +23,13 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
 )
 from torch import nn
 
+from .._opacus_internals import (
+    activations_list,
+    captured_activations,
+    count_module_forward,
+    module_norm_samples,
+    param_norm_sample,
+)
 from .._torch_compat import in_backward
 from ..distributed.layout import Layout, detect_layout
 from ..distributed.tensor_parallel import on_tp_mesh
@@ -233,12 +240,9 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
         ):
             return None
         self._record_pass_inputs(module, forward_input, forward_output)
-        if not hasattr(module, "activations"):
-            module.activations = []
-        module.activations.append([t.detach() for t in forward_input])
+        activations_list(module).append([t.detach() for t in forward_input])
         self._keep_normalized(module, forward_input, forward_output)
-        module._forward_counter = getattr(module, "_forward_counter", 0) + 1
-        if module._forward_counter > 1:
+        if count_module_forward(module) > 1:
             raise NotImplementedError(
                 f"{type(module).__name__} was called more than once in one forward; ghost "
                 "clipping needs one call per layer per forward."
@@ -256,10 +260,10 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
         if not forward_input or type(forward_input[0]) is not torch.Tensor:
             return
         x = forward_input[0]
-        try:
-            entry = module.activations[-1]
-        except (AttributeError, IndexError):
+        captured_list = captured_activations(module)
+        if not captured_list:
             return  # nothing captured
+        entry = captured_list[-1]
         captured = entry[0] if entry else None
         if (
             type(captured) is not torch.Tensor
@@ -304,11 +308,11 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
         if scale == 1:
             return
         if self._norms_per_module:
-            norms = getattr(module, "norm_sample", None) or []
+            norms = module_norm_samples(module) or []
             module.norm_sample = [None if ns is None else ns * scale for ns in norms]
             return
         for p in module.parameters(recurse=False):
-            if p.requires_grad and getattr(p, "_norm_sample", None) is not None:
+            if p.requires_grad and param_norm_sample(p) is not None:
                 p._norm_sample = p._norm_sample * scale
 
 
