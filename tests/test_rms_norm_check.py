@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.hooks import ghost as ghost_hooks
 from opacus_fsdp_sync.layers import norms as rms_norm
 from opacus_fsdp_sync.layers import room_named
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
@@ -241,6 +242,77 @@ def test_rms_norm_reads_the_normalised_input_its_forward_saved(case, one_backwar
     assert routed["normalized"] == expected, routed
     monkeypatch.setattr(rms_norm, "_VERDICTS", {})
     monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {})
-    monkeypatch.setattr(rms_norm, "saved_normalized", lambda *a: None)
+    monkeypatch.setattr(ghost_hooks, "saved_normalized", lambda *a: None)  # the hooks' name
     off = run()
+    assert off["normalized"] == 2  # switched off: renormalised in each step
     assert routed["forward"] == off["forward"], (routed, off)
+
+
+class ExpandedWeightRMSNorm(NoEpsRMSNorm):
+    """Llama's forward with the weight expanded to the input's shape before the product."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = h.to(x.dtype)
+        return self.weight.expand_as(h) * h
+
+
+def _marked_xhat(norm: nn.Module, x: torch.Tensor):
+    """The norm's output on ``x`` (requiring gradients) and its marked saved ``xhat``."""
+    assert rms_norm.has_rms_formula(norm)
+    x = x.clone().requires_grad_()
+    out = norm(x)
+    return out, rms_norm.saved_normalized(norm, x, out)
+
+
+def test_saved_xhat_is_read_through_a_permuted_view_and_never_confused(monkeypatch):
+    """Opacus's ``batch_first=False`` permutes the captured input: the permuted view of the
+    marked ``xhat`` is still read as normalised (renormalising it again would change the norms
+    of rows near ``sqrt(eps)``), a copy is not, and an expanded weight (the product's other
+    operand, of the input's shape) is never taken for ``xhat``."""
+    monkeypatch.setattr(rms_norm, "_VERDICTS", {})
+    monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {})
+    norm = LlamaRMSNorm(H, eps=1e-6)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, B, H, generator=g) * torch.logspace(-3, 1, B).view(1, B, 1)  # time first
+    dy = torch.randn(B, T, H, generator=g)
+    _, xhat = _marked_xhat(norm, x)
+    assert xhat is not None and rms_norm.is_marked(xhat)
+    assert torch.equal(xhat, rms_norm.normalized(x, 1e-6))
+    batch_first = xhat.permute(1, 0, 2)  # what Opacus hands the norm
+    assert rms_norm.is_marked(batch_first) and not rms_norm.is_marked(batch_first.clone())
+    (norms,) = rms_norm.rms_norm_sample(norm, [batch_first], dy).values()
+    expected = rms_norm.per_sample_weight_grads(x.permute(1, 0, 2), dy, 1e-6).norm(dim=-1)
+    assert torch.allclose(norms, expected, rtol=1e-6, atol=0)
+    wrong = rms_norm.per_sample_weight_grads(batch_first.clone(), dy, 1e-6).norm(dim=-1)
+    assert not torch.allclose(wrong, expected, rtol=1e-6, atol=0)  # the case would show it
+    expanded = ExpandedWeightRMSNorm(H, eps=1e-6)
+    out, xhat = _marked_xhat(expanded, x)
+    assert len(rms_norm.saved_operands(out.grad_fn)) == 2  # both operands shaped like x
+    assert xhat is not None and torch.equal(xhat, rms_norm.normalized(x, 1e-6))
+
+
+def test_a_type_left_to_opacus_never_reads_the_saved_xhat(monkeypatch):
+    """One instance with its own forward leaves its whole type to Opacus's generic per-sample
+    gradients: the hooks then keep every instance's input, never a saved ``xhat``, and the
+    steps stay exact against the clip-each-sample loop."""
+    monkeypatch.setattr(rms_norm, "_VERDICTS", {})
+    monkeypatch.setattr(rms_norm, "_SAVES_XHAT", {})
+    taken = []
+    saved = ghost_hooks.saved_normalized
+
+    def spy(*args):
+        out = saved(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ghost_hooks, "saved_normalized", spy)
+    torch.manual_seed(0)
+    net = NormNet(LlamaRMSNorm(H, eps=1e-6))
+    net.spare = LlamaRMSNorm(H, eps=1e-6)  # never called; its forward replaced
+    net.spare.forward = lambda x: net.spare.weight * x
+    assert rms_norm.rms_norm_types(net) == set()
+    ours, ref = _private_steps(net, one_backward=True)
+    assert _diff(ours, ref) <= TOL
+    assert not any(taken)

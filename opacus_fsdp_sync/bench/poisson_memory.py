@@ -75,7 +75,14 @@ class PoissonMemoryConfig:
     """File stem."""
 
     def __post_init__(self) -> None:
-        for f in ("width_divisor", "blocks", "seq_length", "expected_batch", "max_physical"):
+        for f in (
+            "width_divisor",
+            "blocks",
+            "seq_length",
+            "expected_batch",
+            "max_physical",
+            "steps",
+        ):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}={getattr(self, f)}: must be at least 1")
         if self.dataset_size < self.expected_batch:

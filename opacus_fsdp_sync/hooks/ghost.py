@@ -35,7 +35,7 @@ from ..distributed.layout import Layout, detect_layout
 from ..distributed.tensor_parallel import on_tp_mesh
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
-from ..layers.norms import saved_normalized
+from ..layers.norms import rms_norm_types, saved_normalized
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
@@ -64,6 +64,8 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
             **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
             **norm_samplers(m),
         }
+        #: Layer types whose norm is the RMSNorm room's (:meth:`_keep_normalized`).
+        self._rms_types = frozenset(rms_norm_types(m))
         if self.layout.sequence_group is not None:
             self.NORM_SAMPLERS = {
                 t: self._with_sequence_group(f) for t, f in self.NORM_SAMPLERS.items()
@@ -252,13 +254,18 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
     def _keep_normalized(self, module, forward_input, forward_output) -> None:
         """An RMSNorm layer keeps its forward's normalised input in place of its input.
 
-        Where the layer's forward saved ``xhat`` for autograd
-        (:func:`..layers.norms.saved_normalized`), the entry this forward just captured (the
-        input, same memory as ``forward_input[0]``) is replaced by it: the norm then reads it
-        instead of renormalising the input, and the input is not held beyond the forward.
+        For a layer whose norm is the RMSNorm room's, where its forward saved ``xhat`` for
+        autograd (:func:`..layers.norms.saved_normalized`), the entry this forward just
+        captured (the input, same memory as ``forward_input[0]``) is replaced by it: the norm
+        then reads it instead of renormalising the input, and the input is not held beyond the
+        forward.
         """
-        if not forward_input or type(forward_input[0]) is not torch.Tensor:
-            return
+        if (
+            type(module) not in self._rms_types
+            or not forward_input
+            or type(forward_input[0]) is not torch.Tensor
+        ):
+            return  # another room's layer: it reads its input
         x = forward_input[0]
         captured_list = captured_activations(module)
         if not captured_list:

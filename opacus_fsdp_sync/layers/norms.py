@@ -60,7 +60,7 @@ _VERDICTS: dict[type, bool] = {}
 #: Per verified type: whether its forward's last node saves exactly :func:`normalized` of its
 #: input (checked on the same probe), so that the norm can read it instead of renormalising.
 _SAVES_XHAT: dict[type, bool] = {}
-#: The normalised inputs taken from forward graphs (:func:`saved_normalized`), by ``id``.
+#: The normalised inputs taken from forward graphs (:func:`saved_normalized`), by memory address.
 _NORMALIZED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
@@ -88,48 +88,87 @@ def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return h.to(x.dtype)
 
 
-def graph_normalized(output, x: torch.Tensor) -> torch.Tensor | None:
-    """The operand of ``output``'s multiplication node with ``x``'s shape and dtype, or None.
+def graph_normalized(
+    output, x: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The one operand of ``output``'s multiplication node shaped like ``x``, or None.
 
     For ``y = w * xhat`` it is ``xhat``, which autograd keeps for the weight's gradient. None
-    where ``output`` is not a plain tensor made by a multiplication, or where the operand is held
-    by saved-tensor hooks (:func:`.._torch_compat.saved_operands`).
+    where ``output`` is not a plain tensor made by a multiplication, where the operand is held
+    by saved-tensor hooks (:func:`.._torch_compat.saved_operands`), and where not exactly one
+    saved operand has ``x``'s shape and dtype without sharing ``weight``'s memory (an expanded
+    weight is not the normalised input).
     """
     node = output.grad_fn if type(output) is torch.Tensor else None
     if node is None or type(node).__name__ != "MulBackward0":
         return None
-    for t in saved_operands(node):
-        if type(t) is torch.Tensor and t.shape == x.shape and t.dtype == x.dtype:
-            return t
-    return None
+    found = [
+        t
+        for t in saved_operands(node)
+        if type(t) is torch.Tensor
+        and t.shape == x.shape
+        and t.dtype == x.dtype
+        and not _shares_memory(t, weight)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _shares_memory(t: torch.Tensor, other: torch.Tensor | None) -> bool:
+    if other is None:
+        return False
+    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
 def saved_normalized(layer: nn.Module, x, output) -> torch.Tensor | None:
     """The layer's normalised input as its forward saved it, or None; marked as normalised.
 
     Only for a type whose probe showed the saved operand to be bit for bit :func:`normalized`
-    of the input. The room's norm and gradient read a marked tensor as ``xhat`` instead of
-    renormalising (the fp32 widening, square, mean, product and narrowing: about 16 passes over
-    the input's bytes), and the hooks keep it instead of the input (autograd holds it anyway).
+    of the input (with the input requiring gradients, as in training), and not for a layer
+    whose forward was replaced on the instance. The room's norm and gradient read a marked
+    tensor (or a view of it with the same elements, as Opacus's ``batch_first=False``
+    permutation makes) as ``xhat`` instead of renormalising (the fp32 widening, square, mean,
+    product and narrowing: about 16 passes over the input's bytes), and the hooks keep it
+    instead of the input (autograd holds it anyway).
 
     Args:
         layer: A hooked layer.
         x: Its input, as captured.
         output: Its output.
     """
-    if type(x) is not torch.Tensor or not _SAVES_XHAT.get(layer_type(layer), False):
+    if (
+        type(x) is not torch.Tensor
+        or not _SAVES_XHAT.get(layer_type(layer), False)
+        or "forward" in vars(layer)
+    ):
         return None
-    saved = graph_normalized(output, x)
+    saved = graph_normalized(output, x, layer.weight)
     if saved is None:
         return None
     xhat = saved.detach()
-    _NORMALIZED[id(xhat)] = xhat
+    _NORMALIZED[xhat.data_ptr()] = xhat
     return xhat
 
 
+def is_marked(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds exactly the elements of a tensor :func:`saved_normalized` marked.
+
+    ``x`` may be that tensor or a view with its dimensions permuted, the features last in both
+    (its memory, shapes and strides say so).
+    """
+    marked = _NORMALIZED.get(x.data_ptr())
+    if marked is None or marked.dtype != x.dtype or marked.dim() != x.dim():
+        return False
+    if marked is x:
+        return True
+    same_memory = _shares_memory(x, marked)
+    last = (x.shape[-1], x.stride(-1)) == (marked.shape[-1], marked.stride(-1))
+    layout = sorted(zip(x.shape, x.stride())) == sorted(zip(marked.shape, marked.stride()))
+    return same_memory and last and layout
+
+
 def _xhat(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x`` itself when marked by :func:`saved_normalized`, else :func:`normalized`."""
-    return x if _NORMALIZED.get(id(x)) is x else normalized(x, eps)
+    """``x`` itself when marked (:func:`is_marked`), else :func:`normalized`."""
+    return x if is_marked(x) else normalized(x, eps)
 
 
 def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,16 +255,29 @@ def _probe(module: nn.Module, cls: type, hidden: int = 8) -> tuple[float, bool]:
     with torch.enable_grad():
         grads = []
         for n in range(x.shape[0]):
-            xs = x[n : n + 1]
+            xs = x[n : n + 1].clone().requires_grad_()  # as in training: both operands saved
             out = probe(xs)
-            saved = graph_normalized(out, xs)
-            saves_xhat &= saved is not None and torch.equal(saved, normalized(xs, eps))
+            saves_xhat &= _saves_normalized(out, xs, probe.weight, eps)
             (g,) = torch.autograd.grad(out, probe.weight, dy[n : n + 1])
             grads.append(g)
     auto = torch.stack(grads).float()
-    ours = per_sample_weight_grads(x, dy, eps).float()
+    ours = per_sample_weight_grads(x, dy, eps).float()  # x: not marked, renormalised
     err = ((ours - auto).abs().max() / auto.abs().max().clamp(min=1e-30)).item()
     return (err if err == err else float("inf")), saves_xhat  # NaN: not verified
+
+
+def _saves_normalized(out, xs: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """Whether the probe forward's product saved exactly :func:`normalized` of its input.
+
+    False, not an error, where the saved tensors cannot be read: the formula still holds, the
+    norm then renormalises the input.
+    """
+    try:
+        saved = graph_normalized(out, xs, weight)
+    except Exception as exc:  # noqa: BLE001 - any failure means: renormalise
+        logger.info("[Ghost] RMSNorm: the forward's saved input is not read (%s)", exc)
+        return False
+    return saved is not None and torch.equal(saved, normalized(xs.detach(), eps))
 
 
 def has_rms_formula(module: nn.Module, cls: type | None = None) -> bool:
