@@ -35,6 +35,13 @@ def test_blocked_contraction_equals_the_full_one(t, block):
     torch.testing.assert_close(gsum, g.sum(1).pow(2).sum(1), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("block", [0, 3])
+def test_an_empty_batch_gives_empty_norms(block):
+    a, g = torch.randn(0, 7, 5), torch.randn(0, 7, 4)
+    total, gsum = _blocked(a, g, block)
+    assert total.shape == (0,) and gsum.shape == (0,)
+
+
 def test_blocked_bf16_is_as_accurate_as_the_full_gram():
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(4, 96, 32, generator=gen).bfloat16()

@@ -316,3 +316,21 @@ def test_a_type_left_to_opacus_never_reads_the_saved_xhat(monkeypatch):
     ours, ref = _private_steps(net, one_backward=True)
     assert _diff(ours, ref) <= TOL
     assert not any(taken)
+
+
+def test_fp32_weight_on_a_bf16_input_gets_autograd_s_fp32_product():
+    """With an fp32 weight and a bf16 input the forward's product is fp32, and so is autograd's
+    weight gradient: the formula multiplies in the promoted dtype (not the input's)."""
+    norm = LlamaRMSNorm(H, eps=1e-6)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, T, H, generator=g).bfloat16()
+    dy = torch.randn(3, T, H, generator=g)  # fp32, as the fp32 output's gradient
+    auto = []
+    for n in range(3):
+        out = norm(x[n : n + 1])
+        assert out.dtype == torch.float32
+        (w,) = torch.autograd.grad(out, norm.weight, dy[n : n + 1])
+        auto.append(w)
+    ours = rms_norm.per_sample_weight_grads(x, dy, 1e-6)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, torch.stack(auto), rtol=1e-6, atol=1e-7)

@@ -35,6 +35,8 @@ Block sizes (``gram_block="auto"``, resolved per layer from the activation's dev
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: ``gram_block="auto"``: tokens per row block on CPU, and on every other device type.
@@ -156,8 +158,8 @@ def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     ``a`` and ``b`` are contiguous ``(N, ...)`` tensors of one shape and dtype.
     """
-    n = a.shape[0]
-    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).view(n)
+    n, k = a.shape[0], math.prod(a.shape[1:])  # k explicit: an empty batch has no -1 to infer
+    return torch.bmm(a.reshape(n, 1, k), b.reshape(n, k, 1)).view(n)
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -178,7 +178,9 @@ def per_sample_weight_grads(x: torch.Tensor, dy: torch.Tensor, eps: float) -> to
     """
     xhat = _xhat(x, eps)
     tokens = math.prod(dy.shape[1:-1])  # not -1: a batch may be empty
-    return (dy.to(xhat.dtype) * xhat).reshape(dy.shape[0], tokens, dy.shape[-1]).sum(dim=1)
+    wide = torch.promote_types(dy.dtype, xhat.dtype)  # as autograd's product for the weight
+    prod = dy.to(wide) * xhat.to(wide)
+    return prod.reshape(dy.shape[0], tokens, dy.shape[-1]).sum(dim=1)
 
 
 def rms_norm_sample(layer: nn.Module, activations, backprops, sequence_group=None) -> dict:
@@ -403,6 +405,7 @@ class RMSNormRoom(LayerRoom):
         grad_out = scale_rows(grad_out, scale)
         x = inputs[0]
         xhat = _xhat(x, epsilon(layer))
-        grad = (grad_out.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)
+        wide = torch.promote_types(grad_out.dtype, xhat.dtype)
+        grad = (grad_out.to(wide) * xhat.to(wide)).reshape(-1, x.shape[-1]).sum(0)
         # sequence parallelism: this rank's tokens only, summed over tp
         return {"weight": sum_sequence_shards(grad, sequence_group)}
