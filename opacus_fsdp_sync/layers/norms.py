@@ -305,16 +305,12 @@ def has_rms_formula(module: nn.Module, cls: type | None = None) -> bool:
     _SAVES_XHAT[cls] = ok and saves_xhat
     if ok:
         source = (
-            "from the normalised input its forward saves"
-            if _SAVES_XHAT[cls]
-            else "from its input, normalised again"
+            "the normalised input its forward saves"
+            if saves_xhat
+            else "its input, normalised again"
         )
-        logger.info(
-            "[Ghost] %s: direct RMSNorm weight-gradient formula (%s), %s",
-            cls.__name__,
-            why,
-            source,
-        )
+        msg = "[Ghost] %s: direct RMSNorm weight-gradient formula (%s), from %s"
+        logger.info(msg, cls.__name__, why, source)
     else:
         logger.warning(
             "[Ghost] %s has an RMSNorm-like weight and epsilon but its forward's weight "
