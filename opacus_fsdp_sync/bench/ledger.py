@@ -130,7 +130,8 @@ def build_model(cfg: LedgerConfig) -> nn.Module:
     return LlamaForCausalLM(lc)
 
 
-def _loss(model, criterion, ids: torch.Tensor, private: bool) -> torch.Tensor:
+def causal_lm_loss(model, criterion, ids: torch.Tensor, private: bool) -> torch.Tensor:
+    """Next-token loss of ``ids`` (the private criterion takes the batch's shape)."""
     logits = model(input_ids=ids).logits[:, :-1]
     flat = (logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     return criterion(*flat, shape=logits.shape[:2]) if private else criterion(*flat)
@@ -164,7 +165,7 @@ def _prepare(cfg: LedgerConfig, private: bool, device: torch.device, world: int)
 
 def _step(model, optimizer, criterion, ids: torch.Tensor, private: bool) -> None:
     with phase("forward"):
-        loss = _loss(model, criterion, ids, private)
+        loss = causal_lm_loss(model, criterion, ids, private)
     if private:
         loss.backward()  # the engine announces its own phases
     else:
@@ -220,10 +221,10 @@ def run(cfg: LedgerConfig) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> LedgerConfig:
-    """Maps CLI flags one-to-one onto :class:`LedgerConfig` fields."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(LedgerConfig):
+def config_from_flags(cls: type, argv: list[str] | None, description: str):
+    """``cls(**flags)``: one CLI flag per dataclass field (``--seq-length`` for ``seq_length``)."""
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
         if kind.startswith("bool"):
@@ -234,7 +235,12 @@ def parse_args(argv: list[str] | None = None) -> LedgerConfig:
             parser.add_argument(flag, type=float, default=f.default)
         else:
             parser.add_argument(flag, type=str, default=f.default)
-    return LedgerConfig(**vars(parser.parse_args(argv)))
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def parse_args(argv: list[str] | None = None) -> LedgerConfig:
+    """Maps CLI flags one-to-one onto :class:`LedgerConfig` fields."""
+    return config_from_flags(LedgerConfig, argv, __doc__.splitlines()[0])
 
 
 def write(result: dict, cfg: LedgerConfig) -> str:

@@ -24,13 +24,11 @@ recorded beside its drawn size.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +36,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..known_warnings import quiet_known_warnings
 from ..models import PRESETS
-from .ledger import LedgerConfig, build_model
+from .ledger import LedgerConfig, build_model, causal_lm_loss, config_from_flags
 from .op_ledger import OpLedger
 
 logger = logging.getLogger(__name__)
@@ -103,12 +102,6 @@ class PoissonMemoryConfig:
         )
 
 
-def _loss(model, criterion, ids: torch.Tensor, private: bool) -> torch.Tensor:
-    logits = model(input_ids=ids).logits[:, :-1]
-    flat = (logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    return criterion(*flat, shape=logits.shape[:2]) if private else criterion(*flat)
-
-
 def _setup(cfg: PoissonMemoryConfig, *, private: bool, poisson: bool, device: torch.device):
     from ..privacy_engine import PrivacyEngine
     from ..sharding import ShardingConfig, shard_model
@@ -140,7 +133,7 @@ def _setup(cfg: PoissonMemoryConfig, *, private: bool, poisson: bool, device: to
 
 
 def _physical_step(model, optimizer, criterion, ids, private: bool) -> None:
-    _loss(model, criterion, ids, private).backward()
+    causal_lm_loss(model, criterion, ids, private).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -258,22 +251,13 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> PoissonMemoryConfig:
     """Maps CLI flags one-to-one onto :class:`PoissonMemoryConfig` fields."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(PoissonMemoryConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        if kind.startswith("int"):
-            parser.add_argument(flag, type=int, default=f.default)
-        else:
-            parser.add_argument(flag, type=str, default=f.default)
-    return PoissonMemoryConfig(**vars(parser.parse_args(argv)))
+    return config_from_flags(PoissonMemoryConfig, argv, __doc__.splitlines()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: measures, prints the table and writes the files."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    for message in ("Secure RNG turned off", "Full backward hook is firing", ".*view tensor"):
-        warnings.filterwarnings("ignore", message=message)
+    quiet_known_warnings()
     cfg = parse_args(argv)
     import torch.distributed as dist
 
