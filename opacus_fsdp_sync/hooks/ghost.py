@@ -39,13 +39,21 @@ from ..layers.norms import rms_norm_types, saved_normalized
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
+from .output_grads import OutputGradHooksMixin
 from .replay import ReplayMixin
 from .step_norms import StepNormsMixin
 from .tensor_parallel import TensorParallelMixin
 from .tied import TiedNormMixin
 
 
-class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, TensorParallelMixin):
+class _Ours(
+    OutputGradHooksMixin,
+    ReplayMixin,
+    PassTrackingMixin,
+    TiedNormMixin,
+    StepNormsMixin,
+    TensorParallelMixin,
+):
     """Mixins first (they wrap Opacus's hooks), then the upstream class."""
 
     #: The layers Opacus hooked, found at wrap time (None while Opacus's ``__init__`` runs).
@@ -208,12 +216,26 @@ class _Ours(ReplayMixin, PassTrackingMixin, TiedNormMixin, StepNormsMixin, Tenso
             return any(p.requires_grad for p in params)
         return id(module) in self._trainable
 
+    def one_output_layer_types(self) -> set[type]:
+        """The RMSNorm-like layer types (they return one tensor): output tensor hooks."""
+        return rms_norm_types(self._module)
+
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Upstream's capture; for FSDP, trainability is judged from the wrap-time parameters.
 
         A tensor-parallel layer's input arrives as a DTensor: it is captured as its local
-        tensor (:meth:`.tensor_parallel.TensorParallelMixin._tp_capture_input`).
+        tensor (:meth:`.tensor_parallel.TensorParallelMixin._tp_capture_input`). A one-output
+        layer whose inputs were captured gets its output-gradient hook
+        (:meth:`.output_grads.OutputGradHooksMixin.hook_output`).
         """
+        acts = captured_activations(module)
+        before = len(acts) if acts else 0
+        result = self._capture(module, forward_input, forward_output)
+        acts = captured_activations(module)
+        self.hook_output(module, forward_output, captured=bool(acts) and len(acts) > before)
+        return result
+
+    def _capture(self, module, forward_input, forward_output):
         forward_input = self._tp_capture_input(module, forward_input, forward_output)
         if (
             self.gram_cache is not None

@@ -41,17 +41,23 @@ class ReplayMixin:
 
     def capture_activations_hook(self, module, forward_input, forward_output):
         """Upstream's capture; the captured inputs of a replayed layer carry its call."""
+        if id(module) not in self._replayed:
+            return super().capture_activations_hook(module, forward_input, forward_output)
         acts = captured_activations(module)
         before = len(acts) if acts is not None else 0
         result = super().capture_activations_hook(module, forward_input, forward_output)
         call = module.__dict__.pop("_replay_next", None)
         acts = captured_activations(module)
-        if id(module) in self._replayed and acts is not None and len(acts) > before:
+        if acts is not None and len(acts) > before:
             acts[-1] = ReplayInputs(acts[-1], call)
         return result
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Exposes the call of the inputs about to be used as ``module._replay_call``."""
+        if id(module) not in self._replayed:
+            return super().capture_backprops_hook(
+                module, forward_input, forward_output, *args, **kwargs
+            )
         acts = captured_activations(module)
         last = acts[-1] if acts else None
         module._replay_call = last.call if isinstance(last, ReplayInputs) else None
