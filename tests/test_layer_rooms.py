@@ -265,6 +265,31 @@ def test_embedding_room_norm_and_clipped_gradient_from_the_same_tensors():
     assert (clipped - (auto * c.view(-1, 1, 1)).sum(0)).abs().max().item() <= 1e-10
 
 
+def test_embedding_norm_sums_as_opacus_does_and_reads_any_id_layout():
+    """Without padding, fp32: Opacus's sampler's values bit for bit (same summation order); ids
+    sliced (not contiguous) or int32 give the same norms; bf16 gradients are summed in fp32."""
+    from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
+
+    torch.manual_seed(0)
+    layer = nn.Embedding(V, D)
+    room = room_for(layer)
+    ids = torch.randint(0, V, (B, 2 * T))
+    ids[:, 1] = ids[:, 3]  # a token repeated within a sample
+    g = torch.randn(B, 2 * T, D)
+    ours = room.norm(layer, [ids], g)[layer.weight]
+    upstream = compute_embedding_norm_sample(layer, [ids], g)[layer.weight]
+    assert torch.equal(ours, upstream)
+    sliced = ids[:, ::2]
+    assert not sliced.is_contiguous()
+    expected = room.norm(layer, [sliced.contiguous()], g[:, ::2])[layer.weight]
+    assert torch.equal(room.norm(layer, [sliced], g[:, ::2])[layer.weight], expected)
+    assert torch.equal(room.norm(layer, [ids.int()], g)[layer.weight], ours)
+    low = room.norm(layer, [ids], g.bfloat16())[layer.weight]
+    exact = _psg_by_autograd(layer.double(), ids, g.bfloat16().double())["weight"]
+    assert low.dtype == torch.float32
+    assert (low.double() - exact.flatten(1).norm(dim=1)).abs().max().item() <= 1e-5
+
+
 def test_tied_room_cross_term_and_sum():
     torch.manual_seed(0)
     emb, head = nn.Embedding(V, D).double(), nn.Linear(D, V, bias=False).double()

@@ -1,38 +1,46 @@
 """The ``Embedding`` room: padding-aware ghost norm and clipped gradient from the token ids.
 
-Both read the token ids ``x`` and the output gradient ``e`` (``N x S x D``): the norm is
-Opacus's ghost norm of the gradient ``sum_s onehot(x_s) e_s^T`` with the positions holding
-``padding_idx`` dropped (autograd gives that row no gradient); the clipped gradient is
-``embedding_dense_backward`` of the scaled output gradient, which drops them too. A per-sample
+Both read the token ids ``x`` and the output gradient ``e`` (``N x S x D``): the norm is that
+of the gradient ``sum_s onehot(x_s) e_s^T`` (Opacus's ghost norm, summed in the same order)
+with the positions holding ``padding_idx`` dropped (autograd gives that row no gradient); the
+clipped gradient is ``embedding_dense_backward`` of the scaled output gradient, which drops
+them too. A per-sample
 gradient (``N x V x D``) is never materialised.
 """
 
 from __future__ import annotations
 
 import torch
-from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
-    GradSampleHooksFastGradientClipping,
-)
 from torch import nn
 
 from .registry import LayerRoom, Unavailable, register_layer, scale_rows
 
-_UPSTREAM_EMBEDDING_NORM = GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Embedding]
-
 
 def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) -> dict:
-    """Opacus's embedding norm sampler, without the positions holding ``padding_idx``.
+    """Per-sample norms of the embedding's gradient, without the positions holding ``padding_idx``.
 
-    Autograd gives the ``padding_idx`` row no gradient; upstream's sampler ignores that and
-    over-estimates the norm of any sample containing the padding token. Index tensors are made
-    contiguous first (upstream calls ``.view()`` on them and fails on a sliced input).
+    A sample's gradient has one row per distinct token it holds: the sum of the output
+    gradients at that token's positions. Each (sample, token) pair is one integer key
+    ``sample * V + token``; the gradients are summed per key (in fp32 at least) and the squared
+    row norms per sample, in the keys' sorted order, as Opacus's sampler sums them (which
+    pairs the two indices with a slower row-wise ``unique``). Autograd gives the ``padding_idx``
+    row no gradient; upstream's sampler ignores that and over-estimates the norm of any sample
+    containing the padding token: those positions are zeroed here first.
     """
-    activations = [activations[0].contiguous(), *activations[1:]]
+    ids = activations[0]
     if layer.padding_idx is not None:
         # a bool mask: the product keeps backprops' dtype and values, without a cast of the mask
-        keep = (activations[0] != layer.padding_idx).unsqueeze(-1)
-        backprops = backprops * keep
-    return _UPSTREAM_EMBEDDING_NORM(layer, activations, backprops)
+        backprops = backprops * (ids != layer.padding_idx).unsqueeze(-1)
+    n, d = ids.shape[0], backprops.shape[-1]
+    wide = torch.promote_types(backprops.dtype, torch.float32)
+    offsets = torch.arange(n, device=ids.device).mul_(layer.num_embeddings).unsqueeze(1)
+    keys = (ids.reshape(n, -1).long() + offsets).reshape(-1)
+    distinct, position = torch.unique(keys, sorted=True, return_inverse=True)
+    rows = torch.zeros(distinct.numel(), d, dtype=wide, device=backprops.device)
+    rows.index_add_(0, position, backprops.reshape(-1, d).to(wide))
+    sq = torch.zeros(n, dtype=wide, device=backprops.device)
+    sq.index_add_(0, distinct.div(layer.num_embeddings, rounding_mode="floor"), rows.pow(2).sum(1))
+    return {layer.weight: sq.sqrt()}
 
 
 @register_layer(nn.Embedding)
