@@ -67,6 +67,12 @@ FROZEN_MODES = {
         "ghost_fsdp",
         "A/B for gram_block: as ..._ghost_norms, with full Gram matrices",
     ),
+    "ghost_fsdp_one_backward_per_sample": (
+        True,
+        {"restricted_first_pass": True, "one_backward": True, "per_sample_grads": True},
+        "ghost_fsdp",
+        "ours: one backward, per-sample gradients for every sequence Linear layer",
+    ),
     "ghost_fsdp_one_backward": (
         True,
         {"restricted_first_pass": True, "one_backward": True},

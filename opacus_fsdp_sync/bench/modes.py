@@ -48,6 +48,10 @@ _ONE_BACKWARD = {
         {"per_sample_grads": False, "gram_block": 0},
         "A/B for gram_block: as ..._ghost_norms, with full Gram matrices",
     ),
+    "ghost_fsdp_one_backward_per_sample": (
+        {"per_sample_grads": True},
+        "ours: one backward, per-sample gradients for every sequence Linear layer",
+    ),
     "ghost_fsdp_one_backward": (
         {},
         "ours (default): one backward, per-sample gradients where cheaper",
