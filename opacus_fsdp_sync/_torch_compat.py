@@ -52,3 +52,23 @@ def saved_operands(node) -> list[torch.Tensor]:
         ) from exc
     saved = [node._saved_self if n == "self" else node._saved_other for n in held]
     return [t for t in saved if isinstance(t, torch.Tensor)]
+
+
+def _tensor_state_error(exc: AttributeError):
+    return version_gate.internals_error(
+        "telling a hooked layer's view output from a tensor of its own",
+        f"Tensor._base ({exc})",
+        "Install a tested torch release.",
+    )
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, or None when ``t`` is not a view.
+
+    Raises:
+        TorchInternalsError: if tensors lack ``_base`` (not the tested torch releases).
+    """
+    try:
+        return t._base
+    except AttributeError as exc:
+        raise _tensor_state_error(exc) from exc

@@ -147,6 +147,36 @@ def test_a_later_hook_replacing_the_output_keeps_the_layers_own_gradient(one_bac
     assert _diff(ours, _loop(base, ids, targets, C, after_hook=_doubling_hook)) <= 1e-6
 
 
+class InPlaceNet(MixedNet):
+    """In-place ops on a Linear's sequence output (a view): a residual ``+=`` and ``relu_``."""
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        h = self.proj(e)
+        h += e
+        g = nn.functional.relu(self.ln(h), inplace=True)
+        return self.head(g)
+
+
+@pytest.mark.parametrize("one_backward", [True, False])
+def test_in_place_ops_on_a_view_output_keep_the_layers_own_gradient(one_backward):
+    """A hook on a view is dropped by an in-place op on it; the layer returns a non-view alias."""
+    torch.manual_seed(0)
+    base = InPlaceNet()
+    ids, targets = _data()
+    assert base.proj(base.emb(ids))._base is not None  # the Linear's output is a view
+    C = _bound(base, ids, targets)
+    seen = []
+
+    def record(model):  # a hook after Opacus's sees what the layer returns
+        model.proj.register_forward_hook(lambda m, i, out: seen.append(out._base is None))
+
+    ours, _ = _steps(base, ids, targets, C, one_backward=one_backward, after_hook=record)
+    assert seen == [True, True]  # the alias, not the view
+    assert _diff(ours, _loop(base, ids, targets, C)) <= 1e-6
+    assert _diff(ours, {k: p.detach() for k, p in base.named_parameters()}) > 1e-3
+
+
 def test_a_one_output_layer_returning_a_tuple_is_refused():
     torch.manual_seed(0)
     base = MixedNet()

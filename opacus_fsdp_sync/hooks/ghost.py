@@ -226,14 +226,17 @@ class _Ours(
         A tensor-parallel layer's input arrives as a DTensor: it is captured as its local
         tensor (:meth:`.tensor_parallel.TensorParallelMixin._tp_capture_input`). A one-output
         layer whose inputs were captured gets its output-gradient hook
-        (:meth:`.output_grads.OutputGradHooksMixin.hook_output`).
+        (:meth:`.output_grads.OutputGradHooksMixin.hook_output`); where its output is a view,
+        the layer returns a non-view alias of it instead (:meth:`~.output_grads.
+        OutputGradHooksMixin.unviewed_output`).
         """
+        output = self.unviewed_output(module, forward_output)
         acts = captured_activations(module)
         before = len(acts) if acts else 0
-        result = self._capture(module, forward_input, forward_output)
+        result = self._capture(module, forward_input, output)
         acts = captured_activations(module)
-        self.hook_output(module, forward_output, captured=bool(acts) and len(acts) > before)
-        return result
+        self.hook_output(module, output, captured=bool(acts) and len(acts) > before)
+        return output if output is not forward_output else result
 
     def _capture(self, module, forward_input, forward_output):
         forward_input = self._tp_capture_input(module, forward_input, forward_output)

@@ -17,6 +17,14 @@ gradient (the sum over every use of the output) before the layer's own backward 
   output does not change what the norms read: the gradient w.r.t. the layer's own output (a
   full backward hook reads the gradient w.r.t. the replaced output).
 
+An output that is a view (``Linear`` on a sequence returns one) would lose its hook to a later
+in-place op on it (``h += r``, ``relu_``, an in-place dropout): autograd rebuilds a modified
+view's node, and the gradient w.r.t. the layer's own output is never formed (the full backward
+hook refused such models at forward time). The layer therefore returns a non-view alias of such
+an output (``aten::_unsafe_view``: the same memory, no copy, an ordinary autograd node), on
+which the hook is registered; an in-place op on it keeps the hook, called with the gradient
+w.r.t. the value before the op, as on any non-view tensor.
+
 A tensor-parallel model keeps Opacus's full backward hooks: its layers' outputs may be DTensors
 that a later hook redistributes. So does every other layer type.
 """
@@ -30,6 +38,7 @@ from opacus.grad_sample.functorch import prepare_layer
 from opacus.layers import DPGRU, DPLSTM, DPRNN
 from torch import nn
 
+from .._torch_compat import in_backward, view_base
 from ..distributed.tensor_parallel import on_tp_mesh
 from ..errors import UnsupportedConfigurationError
 
@@ -120,6 +129,24 @@ class OutputGradHooksMixin:
             )
         if forward_output.requires_grad:
             forward_output.register_hook(partial(self._output_grad_hook, module))
+
+    def unviewed_output(self, module: nn.Module, forward_output):
+        """``forward_output``, or a non-view alias of it for a one-output layer's view output.
+
+        The alias (``aten::_unsafe_view``) shares the output's memory; autograd treats it as a
+        tensor of its own, so an in-place op on it does not drop the hook registered on it (see
+        the module docstring). Any other output (not a view, not requiring gradients, of a layer
+        on a full backward hook, or in a checkpoint's recomputation) is returned as it is.
+        """
+        if (
+            id(module) not in self._output_hooked
+            or type(forward_output) is not torch.Tensor
+            or not forward_output.requires_grad
+            or view_base(forward_output) is None
+            or in_backward()
+        ):
+            return forward_output
+        return torch.ops.aten._unsafe_view(forward_output, forward_output.shape)
 
     def _output_grad_hook(self, module: nn.Module, grad: torch.Tensor) -> None:
         """Hands the output gradient to the capture, as the full backward hook would."""
