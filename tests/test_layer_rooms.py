@@ -267,7 +267,8 @@ def test_embedding_room_norm_and_clipped_gradient_from_the_same_tensors():
 
 def test_embedding_norm_sums_as_opacus_does_and_reads_any_id_layout():
     """Without padding, fp32: Opacus's sampler's values bit for bit (same summation order); ids
-    sliced (not contiguous) or int32 give the same norms; bf16 gradients are summed in fp32."""
+    sliced (not contiguous) or int32 give the same norms; an empty batch gives none; bf16
+    gradients are summed in fp32."""
     from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
 
     torch.manual_seed(0)
@@ -284,6 +285,8 @@ def test_embedding_norm_sums_as_opacus_does_and_reads_any_id_layout():
     expected = room.norm(layer, [sliced.contiguous()], g[:, ::2])[layer.weight]
     assert torch.equal(room.norm(layer, [sliced], g[:, ::2])[layer.weight], expected)
     assert torch.equal(room.norm(layer, [ids.int()], g)[layer.weight], ours)
+    empty = room.norm(layer, [ids[:0]], g[:0])[layer.weight]  # an empty local batch
+    assert empty.shape == (0,)
     low = room.norm(layer, [ids], g.bfloat16())[layer.weight]
     exact = _psg_by_autograd(layer.double(), ids, g.bfloat16().double())["weight"]
     assert low.dtype == torch.float32

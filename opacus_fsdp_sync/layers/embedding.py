@@ -10,6 +10,8 @@ gradient (``N x V x D``) is never materialised.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -32,9 +34,10 @@ def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) ->
         # a bool mask: the product keeps backprops' dtype and values, without a cast of the mask
         backprops = backprops * (ids != layer.padding_idx).unsqueeze(-1)
     n, d = ids.shape[0], backprops.shape[-1]
+    per_sample = math.prod(ids.shape[1:])  # explicit: an empty batch has no -1 to infer
     wide = torch.promote_types(backprops.dtype, torch.float32)
     offsets = torch.arange(n, device=ids.device).mul_(layer.num_embeddings).unsqueeze(1)
-    keys = (ids.reshape(n, -1).long() + offsets).reshape(-1)
+    keys = (ids.reshape(n, per_sample).long() + offsets).reshape(-1)
     distinct, position = torch.unique(keys, sorted=True, return_inverse=True)
     rows = torch.zeros(distinct.numel(), d, dtype=wide, device=backprops.device)
     rows.index_add_(0, position, backprops.reshape(-1, d).to(wide))
