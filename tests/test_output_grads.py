@@ -160,11 +160,14 @@ class InPlaceNet(MixedNet):
 
 @pytest.mark.parametrize("one_backward", [True, False])
 def test_in_place_ops_on_a_view_output_keep_the_layers_own_gradient(one_backward):
-    """A hook on a view is dropped by an in-place op on it; the layer returns a non-view alias."""
+    """A hook on a view is dropped by an in-place op on it; the layer returns a non-view alias.
+
+    On torch 2.13 a Linear's output on a sequence is a view (from 2.15 it is not: the alias is
+    not needed there, and the step is the same).
+    """
     torch.manual_seed(0)
     base = InPlaceNet()
     ids, targets = _data()
-    assert base.proj(base.emb(ids))._base is not None  # the Linear's output is a view
     C = _bound(base, ids, targets)
     seen = []
 
