@@ -54,14 +54,6 @@ def saved_operands(node) -> list[torch.Tensor]:
     return [t for t in saved if isinstance(t, torch.Tensor)]
 
 
-def _tensor_state_error(exc: AttributeError):
-    return version_gate.internals_error(
-        "telling a hooked layer's view output from a tensor of its own",
-        f"Tensor._base ({exc})",
-        "Install a tested torch release.",
-    )
-
-
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of, or None when ``t`` is not a view.
 
@@ -71,4 +63,8 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     try:
         return t._base
     except AttributeError as exc:
-        raise _tensor_state_error(exc) from exc
+        raise version_gate.internals_error(
+            "telling a hooked layer's view output from a tensor of its own",
+            f"Tensor._base ({exc})",
+            "Install a tested torch release.",
+        ) from exc

@@ -136,10 +136,12 @@ class OutputGradHooksMixin:
         The alias (``aten::_unsafe_view``) shares the output's memory; autograd treats it as a
         tensor of its own, so an in-place op on it does not drop the hook registered on it (see
         the module docstring). Any other output (not a view, not requiring gradients, of a layer
-        on a full backward hook, or in a checkpoint's recomputation) is returned as it is.
+        on a full backward hook, with the hooks off, or in a checkpoint's recomputation) is
+        returned as it is.
         """
         if (
-            id(module) not in self._output_hooked
+            not self.hooks_enabled
+            or id(module) not in self._output_hooked
             or type(forward_output) is not torch.Tensor
             or not forward_output.requires_grad
             or view_base(forward_output) is None

@@ -4,8 +4,7 @@ Both read the token ids ``x`` and the output gradient ``e`` (``N x S x D``): the
 of the gradient ``sum_s onehot(x_s) e_s^T`` (Opacus's ghost norm, summed in the same order)
 with the positions holding ``padding_idx`` dropped (autograd gives that row no gradient); the
 clipped gradient is ``embedding_dense_backward`` of the scaled output gradient, which drops
-them too. A per-sample
-gradient (``N x V x D``) is never materialised.
+them too. A per-sample gradient (``N x V x D``) is never materialised.
 """
 
 from __future__ import annotations
