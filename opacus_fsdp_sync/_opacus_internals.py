@@ -74,6 +74,41 @@ def count_module_forward(module: nn.Module) -> int:
     return module._forward_counter
 
 
+def capture_inputs(module: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
+    """Opacus's FSDP capture for a layer's first call in a forward, on its ``__dict__``.
+
+    Appends the detached ``inputs`` to ``module.activations`` (created empty first) and sets
+    ``_forward_counter`` to 1, as ``GradSampleModuleFastGradientClippingFSDP``'s capture does
+    for a call it accepts; the caller has checked the counter is 0 (a second call is refused
+    by Opacus's own capture).
+    """
+    state = module.__dict__
+    acts = state.get("activations")
+    if acts is None:
+        acts = state["activations"] = []
+    acts.append([t.detach() for t in inputs])
+    state["_forward_counter"] = 1
+
+
+def take_captured(module: nn.Module) -> tuple[list, int]:
+    """Opacus's ``rearrange_grad_samples`` for a batch-first layer, without scaling anything.
+
+    Sets ``module.max_batch_len`` where unset (the largest batch among the captured calls, from
+    each call's last input, as Opacus's ``_get_batch_size``), pops the last captured call's
+    inputs and counts the call as used (``_forward_counter``).
+
+    Returns:
+        The inputs and ``max_batch_len``.
+    """
+    state = module.__dict__
+    acts = state["activations"]
+    n = state.get("max_batch_len")
+    if n is None:
+        n = state["max_batch_len"] = max(entry[-1].shape[0] for entry in acts)
+    state["_forward_counter"] -= 1
+    return acts.pop(), n
+
+
 def module_norm_samples(module: nn.Module) -> Sequence[torch.Tensor | None]:
     """The per-sample norms Opacus's FSDP hooks stored on a layer, one per trainable parameter.
 

@@ -1,5 +1,7 @@
 """FSDP2 noise: one independent N(0, (sigma C / (W b))^2) draw per coordinate; replicas equal."""
 
+import os
+
 import pytest
 import torch
 
@@ -132,3 +134,24 @@ def test_no_thread_of_ours_outlives_the_run(backend):
         assert res["pending"], res  # the path under test: a draw was running in a thread
         assert res["after_steps"] == [] and res["after_pending"] == [], res
         assert res["after_drop"] == [], res
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_prefetch_thread_draws_at_idle_priority_and_leaves_the_caller_alone():
+    """The CPU draw runs at idle priority (it fills collective waits and never preempts a rank's
+    main thread), draws what a draw at step time draws, and the caller keeps its own policy."""
+    from opacus_fsdp_sync.optimizers.noise_prefetch import DrawAhead, draw_flat_noise
+
+    layout = ((torch.Size([4, 5]), torch.float32, torch.device("cpu")),)
+    seen = {}
+
+    def draw():
+        seen["policy"] = os.sched_getscheduler(0)
+        return draw_flat_noise(layout, 2.0, torch.Generator().manual_seed(3))
+
+    before = os.sched_getscheduler(0)
+    (drawn,) = DrawAhead(draw, torch.device("cpu")).result()
+    assert seen["policy"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == before
+    (direct,) = draw_flat_noise(layout, 2.0, torch.Generator().manual_seed(3))
+    assert torch.equal(drawn, direct)

@@ -39,6 +39,7 @@ from ..layers.norms import rms_norm_types, saved_normalized
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
+from .lean import LeanLaneMixin
 from .output_grads import OutputGradHooksMixin
 from .replay import ReplayMixin
 from .step_norms import StepNormsMixin
@@ -47,6 +48,7 @@ from .tied import TiedNormMixin
 
 
 class _Ours(
+    LeanLaneMixin,
     OutputGradHooksMixin,
     ReplayMixin,
     PassTrackingMixin,
@@ -95,6 +97,7 @@ class _Ours(
         self.per_sample_policy = None
         #: Set by :meth:`use_fast_norms`: the measured norm plan (``tune_norms``), or None.
         self.norm_tuner = None
+        self._init_lanes(self._hooked)
 
     def configure_norms(
         self, *, policy, gram_block: int | str, tuner, fused_kernels: bool | None = None
@@ -228,9 +231,12 @@ class _Ours(
         layer whose inputs were captured gets its output-gradient hook
         (:meth:`.output_grads.OutputGradHooksMixin.hook_output`); where its output is a view,
         the layer returns a non-view alias of it instead (:meth:`~.output_grads.
-        OutputGradHooksMixin.unviewed_output`).
+        OutputGradHooksMixin.unviewed_output`). A lane layer in the plain case takes
+        :meth:`.lean.LeanLaneMixin.lean_capture` instead of the chain below.
         """
         output = self.unviewed_output(module, forward_output)
+        if self.lean_capture(module, forward_input, output):  # the plain case (.lean)
+            return output if output is not forward_output else None
         acts = captured_activations(module)
         before = len(acts) if acts else 0
         result = self._capture(module, forward_input, output)

@@ -4,13 +4,37 @@ The noise does not depend on the gradients, so it can be drawn before they exist
 background thread on CPU (the draw releases the GIL and fills the time the main thread spends
 waiting for collectives), on a side stream on CUDA. The draws come from the optimizer's own
 generator in the same order as a draw at step time, so a seed gives the same noise either way.
+
+On Linux the drawing thread runs at idle priority (``SCHED_IDLE``): it takes a core only when no
+other thread wants it, so it never preempts a rank's main thread. Where ranks share the cores
+(two ranks on two CPU cores), a drawing thread at normal priority slows whichever rank it lands
+beside, and every rank then waits for that one at the next collective; at idle priority the draw
+fills the waits instead, and at worst runs while the main thread waits for it at the step.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+def lower_to_idle_priority() -> bool:
+    """Moves the calling thread to the ``SCHED_IDLE`` scheduling class (Linux); True if moved.
+
+    Elsewhere (no ``os.sched_setscheduler``, or refused) the thread keeps its priority and
+    False is returned: the draw is the same, only where its time goes differs.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as err:
+        logger.debug("noise prefetch thread keeps its priority (%s)", err)
+        return False
+    return True
 
 
 def noise_layout(tensors: list[torch.Tensor]) -> tuple[tuple, ...]:
@@ -100,6 +124,7 @@ class DrawAhead:
             self._thread.start()
 
     def _run(self, draw) -> None:
+        lower_to_idle_priority()  # this thread only: it ends with the draw
         try:
             self._out = draw()
         except BaseException as err:  # re-raised in result()

@@ -1,0 +1,185 @@
+"""One function per direction for the common layers, in place of the chain of mixin hooks.
+
+Every hooked layer's forward and backward hook runs through a chain: our capture, the replay,
+first-pass, shared-weight and tensor-parallel mixins, Opacus's capture and norm hooks, then our
+norm scaling. Each link checks whether it applies, reads Opacus's per-step attributes through
+``nn.Module.__getattr__`` and iterates the layer's parameters; at about 40 hooked layers in a
+small Llama that is a few milliseconds of Python per step on CPU, beside norms that cost about
+as much.
+
+A *lane* is a layer for which every link but the plain ones is known at wrap time to do
+nothing: a one-output layer on an output-gradient tensor hook (:mod:`.output_grads`) that is
+not replayed, owns no shared weight, under an FSDP class (norms kept per layer) with neither
+tensor nor sequence parallelism. Its forward hook runs :meth:`LeanLaneMixin.lean_capture`, one
+function that does what the chain does for it, in the same order and with the same tensors:
+
+- the shared input Gram's reader count (``Linear``, trainable weight);
+- the first pass's records: the layer as captured, its output's shape and dtype, the output as
+  a source where no input requires a gradient;
+- Opacus's capture (detached inputs, forward counter);
+- the RMSNorm room's normalised input in place of the input;
+- the output-gradient hook, :meth:`LeanLaneMixin.lean_output_grad`, which marks the layer as
+  reported, keeps what the one-backward step needs, computes the norms with the layer type's
+  sampler on the unscaled output gradient inside the ``norms`` phase, and scales them by the
+  batch size for a mean loss.
+
+Any call that is not the plain case (hooks off, eval mode, no gradients, a recomputation in
+backward, a frozen layer, a non-tensor input or output, a second call in one forward, FSDP1's
+unregistered parameters, no norm sampler for the type) takes the full chain instead, so the
+lane changes no result and no error: the tests compare both bit for bit
+(``tests/test_lean_hooks.py``), and against the clip-each-sample loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+)
+from torch import nn
+
+from .._opacus_internals import capture_inputs, take_captured
+from .._torch_compat import in_backward
+from ..layers.registry import take_per_sample
+from ..profiling.phases import phase
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What a lane layer's hooks need, fixed at wrap time.
+
+    Attributes:
+        layer_type: The type Opacus sees (its norm sampler's key).
+        linear: Whether it is a ``Linear`` (its input counts as a shared Gram's reader).
+        rms: Whether its norm is the RMSNorm room's (it keeps its normalised input).
+        hook: Its output-gradient hook (:meth:`LeanLaneMixin.lean_output_grad` bound to it).
+    """
+
+    layer_type: type
+    linear: bool
+    rms: bool
+    hook: object
+
+
+class LeanLaneMixin:
+    """The lanes of a model's hooks (see the module docstring).
+
+    Mixed into :class:`~.ghost._Ours`, whose other mixins and Opacus class provide the state it
+    reads and writes (``_captured``, ``_outputs``, ``_sources``, ``_reported``, ``_kept``,
+    ``keep_for_grads``, ``per_sample_policy``, ``gram_cache``, ``NORM_SAMPLERS``, the norm
+    timer) and the full chain it falls back to.
+    """
+
+    #: Whether lane layers take the lean hooks (False: every layer takes the full chain; the
+    #: tests compare both).
+    lean_hooks: bool = True
+    #: Lane layers by ``id``.
+    _lanes: dict[int, Lane] = {}
+
+    def _init_lanes(self, hooked: list[nn.Module]) -> None:
+        """Finds the lane layers among ``hooked`` (call once every mixin is initialised)."""
+        self._lanes = {}
+        if (
+            not isinstance(self, GradSampleHooksFastGradientClippingFSDP)
+            or not self.use_ghost_clipping
+            or self.layout.tensor_parallel
+            or self.layout.sequence_group is not None
+            or self._tp_sum is not None
+            or not self._output_hook_kwargs.get("batch_first", True)
+        ):
+            return
+        for m in hooked:
+            if (
+                id(m) not in self._output_hooked
+                or id(m) in self._replayed
+                or m in self._tied_by_module
+            ):
+                continue
+            layer_type = self._get_type(m)
+            self._lanes[id(m)] = Lane(
+                layer_type=layer_type,
+                linear=issubclass(layer_type, nn.Linear),
+                rms=type(m) in self._rms_types,
+                hook=partial(self.lean_output_grad, m),
+            )
+
+    def lean_capture(self, module: nn.Module, forward_input: tuple, output) -> bool:
+        """The forward hook of a lane layer in the plain case; False where the chain must run.
+
+        Args:
+            module: The layer.
+            forward_input: Its positional inputs.
+            output: Its output as the norms read it (the non-view alias where one was made).
+        """
+        lane = self._lanes.get(id(module))
+        if (
+            lane is None
+            or not self.lean_hooks
+            or not self.hooks_enabled
+            or not module.training
+            or not torch.is_grad_enabled()
+            or type(output) is not torch.Tensor
+            or not forward_input
+            or any(type(t) is not torch.Tensor for t in forward_input)
+            or module.__dict__.get("_forward_counter", 0) != 0
+        ):
+            return False
+        params = module._parameters
+        if not any(p is not None and p.requires_grad for p in params.values()) or in_backward():
+            return False
+        key = id(module)
+        if lane.linear and self.gram_cache is not None:
+            weight = params.get("weight")
+            if weight is not None and weight.requires_grad:
+                self.gram_cache.note_input(forward_input[0])
+        self._captured[key] = module
+        self._outputs[key] = (tuple(output.shape), output.dtype)
+        if output.requires_grad and not any(t.requires_grad for t in forward_input):
+            self._sources.append(output)
+        capture_inputs(module, forward_input)
+        if lane.rms:
+            self._keep_normalized(module, forward_input, output)
+        if output.requires_grad:
+            output.register_hook(lane.hook)
+        return True
+
+    def lean_output_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
+        """The output-gradient hook of a lane layer (the full chain where not the plain case)."""
+        sampler = self.NORM_SAMPLERS.get(self._lanes[id(module)].layer_type)
+        state = module.__dict__
+        if (
+            not self.hooks_enabled
+            or not self.lean_hooks
+            or sampler is None
+            or state.get("norm_sample") is None
+        ):
+            self._output_grad_hook(module, grad)
+            return
+        policy = self.per_sample_policy
+        if policy is not None:
+            policy.active = self.keep_for_grads  # only the one-backward step uses them
+        self._reported.add(id(module))
+        acts = state.get("activations")
+        entry = (module, acts[-1], grad.detach()) if self.keep_for_grads and acts else None
+        timer = self._norm_timer
+        with phase("norms"), timer.phase("norms") if timer else contextlib.nullcontext():
+            inputs, batch = take_captured(module)
+            norms = sampler(module, inputs, grad.detach())
+            stored = state["norm_sample"]
+            for i, ns in enumerate(ns for p, ns in norms.items() if p.requires_grad):
+                stored[i] = ns
+            if not state["activations"]:
+                del state["max_batch_len"]
+        if self._output_hook_kwargs["loss_reduction"] == "mean" and batch != 1:
+            # the sampler read the raw gradient: its norms scale with the batch (as the chain's)
+            state["norm_sample"] = [None if ns is None else ns * batch for ns in stored]
+        psgs = policy.stash.pop(id(module), None) if policy is not None else None
+        kept = take_per_sample(module)  # always taken: a two-pass step drops them here
+        psgs = kept if psgs is None else psgs
+        if entry is not None:
+            # Per-sample gradients replace the inputs and output gradient (see one_backward).
+            self._kept.append(entry if psgs is None else (module, None, psgs))

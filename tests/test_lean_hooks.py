@@ -1,0 +1,41 @@
+"""The lean hook lanes change nothing: bit for bit the full chain of mixin hooks, and the loop.
+
+Reference: the same FSDP2 steps with every layer on the full chain (``lean_hooks`` off), which
+must agree bit for bit, and the clip-each-sample loop. Clipping is active; batches are fixed (the
+hook route does not depend on how batches are drawn, and the loop needs the same samples).
+"""
+
+import pytest
+
+from opacus_fsdp_sync.testing import run_ranks
+from tests import workers_lean
+
+pytestmark = [pytest.mark.distributed]
+TOL = 2e-5
+
+
+@pytest.mark.parametrize(
+    "tie, engine_kwargs",
+    [
+        (False, {}),  # the default: one backward, per-sample gradients where cheaper
+        (True, {"one_backward": False}),  # two passes; the tied embedding and head off the lane
+    ],
+)
+def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs):
+    results = run_ranks(workers_lean.lanes_against_chain, 2, tie, engine_kwargs, timeout=300)
+    b = workers_lean.B_LOCAL
+    for rank, res in enumerate(results):
+        C = res["C"]
+        for norms in res["ref_norms"]:
+            assert 0 < sum(n > C for n in norms) < len(norms)  # clipping active
+        assert res["on_vs_off"] == [0.0, 0.0], res["on_vs_off"]
+        assert res["norms_on_vs_off"] == 0.0
+        assert max(res["on_vs_loop"]) <= TOL, res["on_vs_loop"]
+        for step, ref in enumerate(res["ref_norms"]):
+            assert res["on_norms"][step] == pytest.approx(ref[rank * b : (rank + 1) * b], rel=1e-5)
+        # every one-output layer takes a lane, but a tied weight's owners
+        assert {"Linear", "LlamaRMSNorm"} <= set(res["lane_types"])
+        assert ("Embedding" in res["lane_types"]) is not tie
+        assert res["lanes"] == res["hooked"] - (2 if tie else 0)
+        assert res["lane_calls"] == 2 * res["lanes"]  # each lane layer once per step
+        assert res["off_calls"] == 0
