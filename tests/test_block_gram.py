@@ -105,3 +105,23 @@ def test_dtensor_inputs_fall_back_to_full_grams():
     (res,) = run_ranks(workers_misc.dtensor_linear_norms, 1, timeout=120)
     assert res["block_for"] == 0
     assert res["diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("block", [0, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_cpu_products_and_accelerator_matmuls_contract_alike(block, n, monkeypatch):
+    """The CPU's ``vecdot`` contraction and the accelerator's batched matmul agree to rounding
+    (one backward's norms take either by device; the op ledger counts the accelerator's)."""
+    from opacus_fsdp_sync.layers import linear_grams
+
+    gen = torch.Generator().manual_seed(block + 10 * n)
+    a = torch.randn(n, 10, 5, generator=gen)
+    g = torch.randn(n, 10, 4, generator=gen)
+    assert "cpu" in linear_grams.PRODUCT_CONTRACTION  # CPU multiplies and sums
+    by_product, _ = _blocked(a, g, block)
+    monkeypatch.setattr(linear_grams, "PRODUCT_CONTRACTION", set())
+    by_matmul, _ = _blocked(a, g, block)
+    direct = torch.bmm(g.double().mT, a.double()).pow(2).sum((1, 2))
+    assert by_product.shape == by_matmul.shape == (n,)
+    torch.testing.assert_close(by_product, by_matmul, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_product.double(), direct, rtol=1e-5, atol=1e-5)

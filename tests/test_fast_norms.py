@@ -135,18 +135,23 @@ def test_fast_norms_option_is_validated():
             PrivacyEngine(gram_block=bad)
 
 
+@pytest.mark.parametrize("by_product", [False, True])
 @pytest.mark.parametrize("per_sample,gram_block", [(False, 0), (False, 4), (True, 0)])
 def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
-    setup, per_sample, gram_block
+    setup, per_sample, gram_block, by_product, monkeypatch
 ):
     """Counted: the one-backward step runs the non-private step's matmuls plus, with ghost norms,
     the Gram matrices (6 output Grams + 3 shared input Grams; with row blocks of 4 tokens, their
-    upper block triangles: 68 of 100 entries at T = 10) and their contraction (batched dots of
-    ``2 N`` FLOPs per entry and layer, each entry dotted once), or, with per-sample gradients,
-    one weighted sum per parameter (``2 N d_in d_out``): nothing else."""
+    upper block triangles: 68 of 100 entries at T = 10) and their contraction (the accelerator's
+    batched dots of ``2 N`` FLOPs per entry and layer, each entry dotted once; the CPU's products
+    and sums, no matmul), or, with per-sample gradients, one weighted sum per parameter
+    (``2 N d_in d_out``): nothing else."""
     from torch import nn
 
+    from opacus_fsdp_sync.layers import linear_grams
     from opacus_fsdp_sync.profiling import PhaseFlopCounter
+
+    monkeypatch.setattr(linear_grams, "PRODUCT_CONTRACTION", {"cpu"} if by_product else set())
 
     base, x, y, C = setup
     xs, ys = x[:B], y[:B]
@@ -172,11 +177,12 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
         ins = [base.q.in_features, base.gate.in_features, base.down.in_features]
         entries = {0: T * T, 4: 4 * 10 + 4 * 6 + 2 * 2}[gram_block]
         # each Gram element is dotted once
-        extra = 2 * B * entries * (sum(outs) + sum(ins)) + 2 * B * entries * len(layers)
+        extra = 2 * B * entries * (sum(outs) + sum(ins))
+        extra += 0 if by_product else 2 * B * entries * len(layers)
         blocks = 3 if gram_block else 1
         assert bmm.bmm == (6 + 3) * blocks  # one bmm per row block
         # per row block, its diagonal block and the rest of its row apart (the last: one)
-        assert bmm.dots == 6 * (2 * blocks - 1)
+        assert bmm.dots == (0 if by_product else 6 * (2 * blocks - 1))
     total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
     print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, extra {extra}")
     assert total_ours == total_nodp + extra

@@ -80,7 +80,11 @@ def test_ops_take_the_torch_path_where_triton_cannot_launch():
     torch.testing.assert_close(grad, torch.einsum("n,nto,nti->oi", coef.double(), g, a))
 
 
-def test_flop_formulas_price_the_ops_as_the_torch_path():
+def test_flop_formulas_price_the_ops_as_the_torch_path(monkeypatch):
+    from opacus_fsdp_sync.layers import linear_grams
+
+    # the kernels' device's torch path: Grams contracted by batched dots (CPU: products)
+    monkeypatch.setattr(linear_grams, "PRODUCT_CONTRACTION", set())
     a, g = _inputs()
     for block in (16, 64):
         with FlopCounterMode(display=False) as op_count:

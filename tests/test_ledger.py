@@ -127,6 +127,7 @@ def test_the_accelerator_path_writes_wide_gram_blocks_in_the_matmul_and_only_ins
         with OpLedger() as ledger:
             out = wide_bmm(a, b)
         assert linear_grams._OUT_DTYPE[("cpu", torch.bfloat16)]
+        assert linear_grams.PRODUCT_CONTRACTION == set()  # Grams contracted by bmm, as on CUDA
         mm = torch.mm(a[0], b[0], out_dtype=torch.float32)
         c = torch.randn(2, 8, 8)
         bad = torch.baddbmm(c, a, b, out_dtype=torch.float32, beta=0.5, alpha=2.0)
@@ -142,6 +143,7 @@ def test_the_accelerator_path_writes_wide_gram_blocks_in_the_matmul_and_only_ins
     # gone on exit: the CPU path again, and the probe learnt afresh
     assert not has_cpu_kernel("bmm.dtype") and not has_cpu_kernel("baddbmm.dtype")
     assert linear_grams._OUT_DTYPE == {}
+    assert linear_grams.PRODUCT_CONTRACTION == {"cpu"}
     with pytest.raises(NotImplementedError):
         torch.bmm(a, b, out_dtype=torch.float32)
     with OpLedger() as ledger:

@@ -7,8 +7,10 @@ CPU path therefore counts copies the accelerator never makes.
 
 :func:`accelerator_matmuls` registers CPU kernels for ``aten::bmm.dtype``, ``aten::mm.dtype``
 and ``aten::baddbmm.dtype`` (fp32 arithmetic on the widened operands, result in the requested
-dtype) for the duration of a ``with`` block, and resets ``wide_bmm``'s cached probe on entry and
-exit, so that inside the block the code dispatches exactly the ops of the CUDA path. A dispatch
+dtype) for the duration of a ``with`` block, resets ``wide_bmm``'s cached probe on entry and
+exit, and contracts the Grams by batched matmuls as on an accelerator (not by the CPU's
+products, :data:`~opacus_fsdp_sync.layers.linear_grams.PRODUCT_CONTRACTION`), so that inside
+the block the code dispatches exactly the ops of the CUDA path. A dispatch
 mode sees each such call as one op: the kernel's own ops run below the mode. The registration is
 removed on exit; nothing outside the block sees it.
 """
@@ -73,6 +75,8 @@ def accelerator_matmuls() -> Iterator[None]:
     for name in missing:
         lib.impl(name, kernels[name], "CPU")
     linear_grams._OUT_DTYPE.clear()
+    by_product = set(linear_grams.PRODUCT_CONTRACTION)
+    linear_grams.PRODUCT_CONTRACTION.clear()  # the accelerator's contraction: no product
     if missing:
         logger.info("[Ghost] ledger: CPU kernels of aten::%s for the accelerator path", missing)
     try:
@@ -81,3 +85,4 @@ def accelerator_matmuls() -> Iterator[None]:
         if lib is not None:
             lib._destroy()
         linear_grams._OUT_DTYPE.clear()
+        linear_grams.PRODUCT_CONTRACTION.update(by_product)

@@ -20,7 +20,9 @@ matmul writes fp32 itself from fp16/bf16 inputs (``out_dtype``, accumulated in f
 Gram's once for all the layers that read it. Two row blocks are contracted by batched dot
 products (a ``bmm`` of ``1 x K`` by ``K x 1`` per row, over the row block's diagonal block,
 which counts once, and over the rest of the row, which counts twice): no elementwise product is
-written, and each Gram element is read once.
+written, and each Gram element is read once. On CPU, where that ``bmm`` is an order of
+magnitude slower than multiplying and summing, the dot products are ``vecdot``s instead
+(:data:`PRODUCT_CONTRACTION`).
 
 Block sizes (``gram_block="auto"``, resolved per layer from the activation's device):
 
@@ -153,23 +155,43 @@ def widen(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(N,)``: ``sum(a[n] * b[n])`` as one batched matmul, without writing the product.
+#: Device types whose Gram contractions multiply and sum (``torch.linalg.vecdot``, which writes
+#: the elementwise product) instead of a batched matmul of ``1 x K`` by ``K x 1`` rows (which
+#: writes none). On CPU torch's batched matmul of such rows is the slow one: 36 against 5 us
+#: at ``N = 4, T = 64`` and 135 against 11 us at ``T = 128`` (one core, this project's CI
+#: machine), and the ``N T^2`` product is small beside the Grams. Elsewhere the matmul saves
+#: the product's memory traffic. The op ledger removes ``"cpu"`` while it counts the
+#: accelerator's ops (:func:`~opacus_fsdp_sync.bench.accelerator_ops.accelerator_matmuls`).
+PRODUCT_CONTRACTION: set[str] = {"cpu"}
 
-    ``a`` and ``b`` are contiguous ``(N, ...)`` tensors of one shape and dtype.
+
+def _by_product(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.device.type in PRODUCT_CONTRACTION
+
+
+def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: ``sum(a[n] * b[n])``, by a batched matmul (no product written) or ``vecdot``.
+
+    ``a`` and ``b`` are contiguous ``(N, ...)`` tensors of one shape and dtype; the route is
+    :data:`PRODUCT_CONTRACTION`'s for their device.
     """
     n, k = a.shape[0], math.prod(a.shape[1:])  # k explicit: an empty batch has no -1 to infer
+    if _by_product(a):
+        return torch.linalg.vecdot(a.reshape(n, k), b.reshape(n, k))
     return torch.bmm(a.reshape(n, 1, k), b.reshape(n, k, 1)).view(n)
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``(N,)``: the batched dot of columns ``lo .. hi`` of ``(N, w, K)`` row blocks.
 
-    The columns are views (``N w`` rows of ``hi - lo`` values, ``K`` apart): one batched matmul
-    of ``N w`` row pairs, no copy, each element read once.
+    The columns are views (``N w`` rows of ``hi - lo`` values, ``K`` apart), read once without
+    a copy: one batched matmul of ``N w`` row pairs, or a ``vecdot`` along the rows where
+    :data:`PRODUCT_CONTRACTION` says so.
     """
     n, w = a.shape[:2]
     k = hi - lo
+    if _by_product(a):
+        return torch.linalg.vecdot(a[:, :, lo:hi], b[:, :, lo:hi]).sum(1)
     rows = torch.bmm(a[:, :, lo:hi].reshape(n * w, 1, k), b[:, :, lo:hi].reshape(n * w, k, 1))
     return rows.view(n, w).sum(1)
 
