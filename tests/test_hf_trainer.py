@@ -267,3 +267,22 @@ def test_a_one_process_trainer_inside_a_process_group_of_two_is_refused(tmp_path
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(UnsupportedConfigurationError, match="use_cpu=True"):
         _trainer(tmp_path, DPArguments(target_epsilon=8.0))
+
+
+def test_an_empty_batch_labels_any_length_against_its_stand_in():
+    """An empty physical batch's labels keep the length its collator gave them, while its
+    forward ran on a stand-in example of another length: the loss takes them (no token, zero
+    weight), and non-empty labels of another length are still refused."""
+    from opacus_fsdp_sync.integrations.transformers.loss import per_example_loss
+
+    seen = {}
+
+    def criterion(logits, labels, shape=None):
+        seen.update(logits=tuple(logits.shape), labels=tuple(labels.shape), shape=tuple(shape))
+        return logits.sum()
+
+    logits = torch.randn(1, 37, 11)  # the stand-in's forward
+    per_example_loss(criterion, logits, torch.zeros(0, 24, dtype=torch.long), causal=True)
+    assert seen == {"logits": (36, 11), "labels": (0,), "shape": (1, 36)}
+    with pytest.raises(ValueError, match="one label per token"):
+        per_example_loss(criterion, logits, torch.zeros(1, 24, dtype=torch.long), causal=True)

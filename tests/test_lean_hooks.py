@@ -38,4 +38,7 @@ def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs)
         assert ("Embedding" in res["lane_types"]) is not tie
         assert res["lanes"] == res["hooked"] - (2 if tie else 0)
         assert res["lane_calls"] == 2 * res["lanes"]  # each lane layer once per step
-        assert res["off_calls"] == 0
+        assert res["off_calls"] == 0  # lanes off: every layer took the full chain
+        # no per-step state left on any layer, either way; eval and hooks off capture nothing
+        assert res["left_on"] == [] and res["left_off"] == [], (res["left_on"], res["left_off"])
+        assert res["quiet"]

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.hooks import lean
 from opacus_fsdp_sync.hooks.lean import LeanLaneMixin
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
@@ -18,17 +19,40 @@ warnings.filterwarnings("ignore")
 
 
 def _counting_lanes():
-    """Wraps the lane's output-gradient hook with a call counter (returned)."""
+    """Counts the backward hooks that took the lane (its own use of Opacus's captured inputs)."""
     calls = {"n": 0}
-    original = LeanLaneMixin.lean_output_grad
+    original = lean.take_captured
 
-    def counted(self, module, grad):
-        if self.lean_hooks and self.hooks_enabled:
-            calls["n"] += 1
-        return original(self, module, grad)
+    def counted(module):
+        calls["n"] += 1
+        return original(module)
 
-    LeanLaneMixin.lean_output_grad = counted
+    lean.take_captured = counted
     return calls
+
+
+def _left_state(gsm) -> list[str]:
+    """Layers holding per-step state after a step (captured inputs, forward counts, batch size)."""
+    left = []
+    for m in gsm._hooked:
+        state = m.__dict__
+        if state.get("activations") or state.get("_forward_counter", 0) or "max_batch_len" in state:
+            left.append(type(m).__name__)
+    return left
+
+
+def _eval_forward_captures_nothing(gsm, ids) -> bool:
+    """An eval forward (no capture) and a forward with the hooks off leave no state."""
+    gsm.eval()
+    with torch.no_grad():
+        gsm(ids)
+    gsm.train()
+    gsm.disable_hooks()
+    try:
+        gsm(ids)
+    finally:
+        gsm.enable_hooks()
+    return not _left_state(gsm)
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -67,12 +91,15 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     gsm = _train.last_gsm
     lane_types = sorted({lane.layer_type.__name__ for lane in gsm._lanes.values()})
     lane_calls = calls["n"]
+    left_on = _left_state(gsm)
+    quiet = _eval_forward_captures_nothing(gsm, ids[rank * B_LOCAL : (rank + 1) * B_LOCAL])
     LeanLaneMixin.lean_hooks = False
     try:
         off_params, off_norms = _train(
             PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
         )
         off_calls = calls["n"] - lane_calls
+        left_off = _left_state(_train.last_gsm)
     finally:
         LeanLaneMixin.lean_hooks = True
 
@@ -91,4 +118,7 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         hooked=len(gsm._hooked),
         lane_calls=lane_calls,
         off_calls=off_calls,
+        left_on=left_on,
+        left_off=left_off,
+        quiet=quiet,
     )

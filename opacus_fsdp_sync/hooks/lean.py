@@ -25,7 +25,8 @@ function that does what the chain does for it, in the same order and with the sa
 
 Any call that is not the plain case (hooks off, eval mode, no gradients, a recomputation in
 backward, a frozen layer, a non-tensor input or output, a second call in one forward, FSDP1's
-unregistered parameters, no norm sampler for the type) takes the full chain instead, so the
+unregistered parameters, no norm sampler for the type, nothing captured, hooks added again with
+other arguments) takes the full chain instead, so the
 lane changes no result and no error: the tests compare both bit for bit
 (``tests/test_lean_hooks.py``), and against the clip-each-sample loop.
 """
@@ -79,6 +80,7 @@ class LeanLaneMixin:
     lean_hooks: bool = True
     #: Lane layers by ``id``.
     _lanes: dict[int, Lane] = {}
+    _lane_kwargs: dict | None = None
 
     def _init_lanes(self, hooked: list[nn.Module]) -> None:
         """Finds the lane layers among ``hooked`` (call once every mixin is initialised)."""
@@ -90,8 +92,12 @@ class LeanLaneMixin:
             or self.layout.sequence_group is not None
             or self._tp_sum is not None
             or not self._output_hook_kwargs.get("batch_first", True)
+            or self._output_hook_kwargs.get("loss_reduction") not in ("mean", "sum")
         ):
             return
+        #: The hook arguments the lanes were built for: hooks added again (``add_hooks`` with
+        #: other arguments) make the lanes stand aside for the full chain.
+        self._lane_kwargs = self._output_hook_kwargs
         for m in hooked:
             if (
                 id(m) not in self._output_hooked
@@ -126,6 +132,7 @@ class LeanLaneMixin:
             or not forward_input
             or any(type(t) is not torch.Tensor for t in forward_input)
             or module.__dict__.get("_forward_counter", 0) != 0
+            or self._output_hook_kwargs is not self._lane_kwargs
         ):
             return False
         params = module._parameters
@@ -156,6 +163,7 @@ class LeanLaneMixin:
             or not self.lean_hooks
             or sampler is None
             or state.get("norm_sample") is None
+            or not state.get("activations")  # nothing captured (a stale graph): the chain's error
         ):
             self._output_grad_hook(module, grad)
             return

@@ -159,9 +159,10 @@ def widen(t: torch.Tensor) -> torch.Tensor:
 #: the elementwise product) instead of a batched matmul of ``1 x K`` by ``K x 1`` rows (which
 #: writes none). On CPU torch's batched matmul of such rows is the slow one: 36 against 5 us
 #: at ``N = 4, T = 64`` and 135 against 11 us at ``T = 128`` (one core, this project's CI
-#: machine), and the ``N T^2`` product is small beside the Grams. Elsewhere the matmul saves
-#: the product's memory traffic. The op ledger removes ``"cpu"`` while it counts the
-#: accelerator's ops (:func:`~opacus_fsdp_sync.bench.accelerator_ops.accelerator_matmuls`).
+#: machine); the product is one transient buffer the size of the row block it contracts (a
+#: full ``N x T x T`` fp32 Gram with one block). Elsewhere the matmul saves that traffic. The
+#: op ledger removes ``"cpu"`` while it counts the accelerator's ops
+#: (:func:`~opacus_fsdp_sync.bench.accelerator_ops.accelerator_matmuls`).
 PRODUCT_CONTRACTION: set[str] = {"cpu"}
 
 

@@ -124,8 +124,8 @@ class DrawAhead:
             self._thread.start()
 
     def _run(self, draw) -> None:
-        lower_to_idle_priority()  # this thread only: it ends with the draw
         try:
+            lower_to_idle_priority()  # this thread only: it ends with the draw
             self._out = draw()
         except BaseException as err:  # re-raised in result()
             self._error = err

@@ -52,7 +52,10 @@ def per_example_loss(criterion, logits: torch.Tensor, labels: torch.Tensor, *, c
     if logits.dim() == 2:
         return criterion(logits, labels)
     # rows may differ: an empty batch's forward runs on a stand-in example (its loss is
-    # weighted zero by the criterion, whatever the empty labels)
+    # weighted zero by the criterion, whatever the empty labels), whose length need not be the
+    # empty batch's (the stand-in is the last non-empty batch's first example)
+    if labels.dim() == 2 and labels.shape[0] == 0:
+        labels = labels.new_full((0, logits.shape[1]), IGNORE_INDEX)
     if labels.dim() != 2 or labels.shape[1] != logits.shape[1]:
         raise ValueError(
             f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
