@@ -6,14 +6,14 @@ import copy
 import warnings
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.hooks import lean
 from opacus_fsdp_sync.hooks.lean import LeanLaneMixin
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
-from tests.workers_tied import B_LOCAL, LR, T, _train, llama_sample_loss
+from tests.workers_core import _full_params
+from tests.workers_tied import B_LOCAL, LR, T, _diff, _train, llama_sample_loss
 
 warnings.filterwarnings("ignore")
 
@@ -55,13 +55,6 @@ def _eval_forward_captures_nothing(gsm, ids) -> bool:
     return not _left_state(gsm)
 
 
-def _full(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in model.named_parameters()
-    }
-
-
 def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -> dict:
     """Two FSDP2 steps of a tiny Llama with the lanes on and off, and the clip-each-sample loop.
 
@@ -83,7 +76,7 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     for s in range(steps):
         x = ids[s * b : (s + 1) * b]
         ref_norms.append(clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR).tolist())
-        ref_params.append(_full(ref))
+        ref_params.append(_full_params(ref))
     calls = _counting_lanes()
     on_params, on_norms = _train(
         PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
@@ -103,15 +96,12 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     finally:
         LeanLaneMixin.lean_hooks = True
 
-    def diff(a, b):
-        return max((a[k] - b[k]).abs().max().item() for k in a)
-
     return dict(
         C=C,
         ref_norms=ref_norms,
-        on_vs_off=[diff(p, q) for p, q in zip(on_params, off_params)],
+        on_vs_off=[_diff(p, q) for p, q in zip(on_params, off_params)],
         norms_on_vs_off=max(abs(x - y) for s, t in zip(on_norms, off_norms) for x, y in zip(s, t)),
-        on_vs_loop=[diff(p, r) for p, r in zip(on_params, ref_params)],
+        on_vs_loop=[_diff(p, r) for p, r in zip(on_params, ref_params)],
         on_norms=on_norms,
         lane_types=lane_types,
         lanes=len(gsm._lanes),

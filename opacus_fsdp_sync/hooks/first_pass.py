@@ -89,29 +89,57 @@ class PassTrackingMixin:
 
     def capture_backprops_hook(self, module, forward_input, forward_output, *args, **kwargs):
         """Marks the layer as reported, keeps what one backward needs, runs Opacus's norms."""
-        entry = None
-        policy = self.per_sample_policy
-        if policy is not None:
-            policy.active = self.keep_for_grads  # only the one-backward step uses them
-        if self.hooks_enabled:
-            self._reported.add(id(module))
-            if self.keep_for_grads and captured_activations(module):
-                entry = (module, module.activations[-1], forward_output[0].detach())
-        timer = self._norm_timer if self.hooks_enabled else None
-        timed = timer.phase("norms") if timer is not None else contextlib.nullcontext()
-        # announced for observers (op and FLOP counters) whether or not it is timed
-        announced = phase("norms") if self.hooks_enabled else contextlib.nullcontext()
-        with announced, timed:
+        entry = self._report(module, forward_output[0])
+        with self._norms_phase():
             result = super().capture_backprops_hook(
                 module, forward_input, forward_output, *args, **kwargs
             )
+        self._keep(module, entry)
+        return result
+
+    def _report(self, module: nn.Module, grad: torch.Tensor):
+        """Before the norms: marks the layer as reported; returns its entry to keep, or None.
+
+        The entry (the layer's last captured inputs and its output gradient) is taken before
+        Opacus's hook pops the inputs, and only while the first pass keeps them (one backward).
+        """
+        policy = self.per_sample_policy
+        if policy is not None:
+            policy.active = self.keep_for_grads  # only the one-backward step uses them
+        if not self.hooks_enabled:
+            return None
+        self._reported.add(id(module))
+        if self.keep_for_grads and captured_activations(module):
+            return (module, module.activations[-1], grad.detach())
+        return None
+
+    def _norms_phase(self) -> contextlib.AbstractContextManager:
+        """The ``norms`` phase around a layer's norm work (none with the hooks off).
+
+        Announced for observers (op and FLOP counters) whether or not it is timed; timed where
+        :meth:`time_norms` gave a timer.
+        """
+        if not self.hooks_enabled:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(phase("norms"))
+        if self._norm_timer is not None:
+            stack.enter_context(self._norm_timer.phase("norms"))
+        return stack
+
+    def _keep(self, module: nn.Module, entry) -> None:
+        """After the norms: keeps ``entry`` (from :meth:`_report`), or drops what nobody keeps.
+
+        Per-sample gradients the norm left replace the entry's inputs and output gradient; with
+        no entry (a two-pass step) they are dropped here.
+        """
+        policy = self.per_sample_policy
         psgs = policy.stash.pop(id(module), None) if policy is not None else None
         kept = take_per_sample(module)  # always taken: a two-pass step drops them here
         psgs = kept if psgs is None else psgs
         if entry is not None:
             # Per-sample gradients replace the inputs and output gradient (see one_backward).
             self._kept.append(entry if psgs is None else (module, None, psgs))
-        return result
 
     def take_kept(self) -> list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]]:
         """The kept ``(layer, inputs, output gradient)`` of the last first pass (and forgets)."""

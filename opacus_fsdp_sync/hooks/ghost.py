@@ -342,7 +342,10 @@ class _Ours(
 
     def _scale_reported_norms(self, module: nn.Module) -> None:
         """Multiplies the norms ``module`` just reported by its output gradient's scale."""
-        scale = module.__dict__.pop("_ghost_backprop_scale", 1)
+        self._scale_norms(module, module.__dict__.pop("_ghost_backprop_scale", 1))
+
+    def _scale_norms(self, module: nn.Module, scale: int) -> None:
+        """Multiplies the norms ``module`` just reported by ``scale`` (nothing for 1)."""
         if scale == 1:
             return
         if self._norms_per_module:

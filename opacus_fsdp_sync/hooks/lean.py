@@ -33,7 +33,6 @@ lane changes no result and no error: the tests compare both bit for bit
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,8 +44,6 @@ from torch import nn
 
 from .._opacus_internals import capture_inputs, take_captured
 from .._torch_compat import in_backward
-from ..layers.registry import take_per_sample
-from ..profiling.phases import phase
 
 
 @dataclass(frozen=True)
@@ -167,14 +164,8 @@ class LeanLaneMixin:
         ):
             self._output_grad_hook(module, grad)
             return
-        policy = self.per_sample_policy
-        if policy is not None:
-            policy.active = self.keep_for_grads  # only the one-backward step uses them
-        self._reported.add(id(module))
-        acts = state.get("activations")
-        entry = (module, acts[-1], grad.detach()) if self.keep_for_grads and acts else None
-        timer = self._norm_timer
-        with phase("norms"), timer.phase("norms") if timer else contextlib.nullcontext():
+        entry = self._report(module, grad)
+        with self._norms_phase():
             inputs, batch = take_captured(module)
             norms = sampler(module, inputs, grad.detach())
             stored = state["norm_sample"]
@@ -182,12 +173,7 @@ class LeanLaneMixin:
                 stored[i] = ns
             if not state["activations"]:
                 del state["max_batch_len"]
-        if self._output_hook_kwargs["loss_reduction"] == "mean" and batch != 1:
+        if self._output_hook_kwargs["loss_reduction"] == "mean":
             # the sampler read the raw gradient: its norms scale with the batch (as the chain's)
-            state["norm_sample"] = [None if ns is None else ns * batch for ns in stored]
-        psgs = policy.stash.pop(id(module), None) if policy is not None else None
-        kept = take_per_sample(module)  # always taken: a two-pass step drops them here
-        psgs = kept if psgs is None else psgs
-        if entry is not None:
-            # Per-sample gradients replace the inputs and output gradient (see one_backward).
-            self._kept.append(entry if psgs is None else (module, None, psgs))
+            self._scale_norms(module, batch)
+        self._keep(module, entry)
