@@ -1,0 +1,135 @@
+"""Each private mode against ``no_dp`` over repeated runs of the suite: per run, and the median.
+
+The CPU machine's run-to-run spread (``no_dp`` alone moves by 5-12 % between runs) makes one
+run's ratio a weak measurement; the performance bound is read as the median over runs, each
+ratio taken within its own run (the two modes measured minutes apart, not across runs). Each
+ratio is :func:`~opacus_fsdp_sync.bench.throughput.ratio`'s: cost per example, which with a
+fixed batch on both sides is the median step ratio.
+
+Usage: ``python -m opacus_fsdp_sync.bench.repeats RUN_DIR [RUN_DIR ...]`` (the suite's output
+folders, e.g. three ``run_all_experiments.sh`` runs) prints a Markdown table; ``--bound 1.15``
+adds whether each median is within it. Exit code 2 when a folder has no results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import throughput
+
+#: The reference mode every ratio divides by.
+REFERENCE = "no_dp"
+
+
+@dataclass(frozen=True, order=True)
+class RowKey:
+    """One table row: a private mode at one length, API and tie variant."""
+
+    mode: str
+    seq: int
+    api: str
+    tied: str
+
+
+@dataclass
+class Row:
+    """A row's ratio to ``no_dp`` in each run (None where the run lacks either side)."""
+
+    key: RowKey
+    ratios: list[float | None] = field(default_factory=list)
+
+    @property
+    def median(self) -> float | None:
+        """The median of the runs' ratios, or None when no run has one."""
+        have = [r for r in self.ratios if r is not None]
+        return statistics.median(have) if have else None
+
+
+def _key(result: dict) -> RowKey:
+    cfg = result["config"]
+    return RowKey(
+        mode=cfg["mode"],
+        seq=int(cfg["seq_length"]),
+        api=cfg.get("fsdp_api", "fsdp2"),
+        tied=_TIED[cfg.get("tie_word_embeddings")],
+    )
+
+
+#: ``tie_word_embeddings`` as the suite's variants name it (None: the preset's own).
+_TIED = {None: "preset", True: "tied", False: "untied"}
+
+
+def run_ratios(results: Sequence[dict]) -> dict[RowKey, float]:
+    """Each successful private result's ratio to the ``no_dp`` result of the same run and row."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    refs = {}
+    for r in ok:
+        if r["config"]["mode"] == REFERENCE:
+            k = _key(r)
+            refs[(k.seq, k.api, k.tied)] = r
+    out = {}
+    for r in ok:
+        k = _key(r)
+        ref = refs.get((k.seq, k.api, k.tied))
+        if k.mode != REFERENCE and ref is not None:
+            out[k] = throughput.ratio(r, ref)[0]
+    return out
+
+
+def table(run_dirs: Sequence[Path]) -> list[Row]:
+    """One :class:`Row` per private mode and row key found in any run, in key order.
+
+    Raises:
+        FileNotFoundError: naming a folder without experiment results.
+    """
+    per_run = []
+    for d in run_dirs:
+        results = throughput.load_run(Path(d))
+        if not results:
+            raise FileNotFoundError(
+                f"{d}: no experiment results (*.json); pass the suite's output folders"
+            )
+        per_run.append(run_ratios(results))
+    keys = sorted({k for ratios in per_run for k in ratios})
+    return [Row(k, [ratios.get(k) for ratios in per_run]) for k in keys]
+
+
+def markdown(rows: Sequence[Row], run_names: Sequence[str], bound: float | None = None) -> str:
+    """The rows as a Markdown table: one column per run, then the median (and the bound)."""
+    head = ["mode", "seq", "api", "tied", *run_names, "median"]
+    if bound is not None:
+        head.append(f"<= {bound:g}x")
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for row in rows:
+        med = row.median
+        cells = [row.key.mode, str(row.key.seq), row.key.api, row.key.tied]
+        cells += ["" if r is None else f"{r:.3f}x" for r in row.ratios]
+        cells.append("" if med is None else f"{med:.3f}x")
+        if bound is not None:
+            cells.append("" if med is None else ("yes" if med <= bound else "no"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: prints the table of the given runs."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="the suite's output folders")
+    parser.add_argument("--bound", type=float, default=None, help="e.g. 1.15")
+    args = parser.parse_args(argv)
+    try:
+        rows = table(args.runs)
+    except FileNotFoundError as err:
+        print(f"repeats: {err}", file=sys.stderr)
+        return 2
+    print(markdown(rows, [p.name for p in args.runs], args.bound))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
