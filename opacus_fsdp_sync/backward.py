@@ -225,6 +225,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 reduced_loss.backward(
                     inputs=sources if path.restricted else None, retain_graph=not path.one
                 )
+                hooks.finish_norms()
                 if path.restricted:
                     hooks.check_all_reported()
         except BaseException as err:  # cleaned up below, then re-raised

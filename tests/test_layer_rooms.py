@@ -27,6 +27,7 @@ from opacus_fsdp_sync.layers import (
     rooms,
     unregister_layer,
 )
+from opacus_fsdp_sync.layers.linear_norms import LinearNormSampler
 from opacus_fsdp_sync.layers.tied import find_shared_parameters
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.private import make_private
@@ -109,7 +110,7 @@ def test_every_hooked_layer_type_has_a_complete_room(fast_norms):
     assert gsm.NORM_SAMPLERS[nn.Embedding] is room_named("embedding").norm
     linear = gsm.NORM_SAMPLERS[nn.Linear]
     if fast_norms:  # the Linear room's Gram-matrix norm (LinearRoom.fast_norm)
-        assert linear.__module__ == "opacus_fsdp_sync.layers.linear"
+        assert isinstance(linear, LinearNormSampler)
     else:
         assert linear is room_named("linear").norm
     assert gsm.NORM_SAMPLERS[RMSNormLike] is room_named("rms_norm").norm

@@ -1,8 +1,10 @@
 """The lean hook lanes change nothing: bit for bit the full chain of mixin hooks, and the loop.
 
-Reference: the same FSDP2 steps with every layer on the full chain (``lean_hooks`` off), which
-must agree bit for bit, and the clip-each-sample loop. Clipping is active; batches are fixed (the
-hook route does not depend on how batches are drawn, and the loop needs the same samples).
+Reference: the same FSDP2 steps with every layer on the full chain (``lean_hooks`` off), and
+with the lanes' norms in their hooks instead of deferred to the end of a one-backward first
+pass (``defer_norms`` off), which must agree bit for bit, and the clip-each-sample loop.
+Clipping is active; batches are fixed (the hook route does not depend on how batches are
+drawn, and the loop needs the same samples).
 """
 
 import pytest
@@ -39,6 +41,19 @@ def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs)
         assert res["lanes"] == res["hooked"] - (2 if tie else 0)
         assert res["lane_calls"] == 2 * res["lanes"]  # each lane layer once per step
         assert res["off_calls"] == 0  # lanes off: every layer took the full chain
+        # one backward defers the lanes' batchable Gram contractions (the Linear layers; the
+        # RMSNorm and embedding norms stay in their hooks), and finishes the readers of one input
+        # together: q/k/v of each block at least (2 blocks, 2 steps; a tiny MLP may take
+        # per-sample gradients); two passes defer none. In the hook or deferred, bit for bit.
+        one = engine_kwargs.get("one_backward", True)
+        if one:
+            assert 3 * 2 * 2 <= res["batched_on"] <= res["deferred_on"] < res["lane_calls"]
+        else:
+            assert res["deferred_on"] == res["batched_on"] == 0
+        assert res["deferred_off"] == 0
+        assert res["deferred_vs_hooks"] == [0.0, 0.0], res["deferred_vs_hooks"]
+        assert res["norms_deferred_vs_hooks"] == 0.0
+        assert res["batched_off"] == 0
         # no per-step state left on any layer, either way; eval and hooks off capture nothing
         assert res["left_on"] == [] and res["left_off"] == [], (res["left_on"], res["left_off"])
         assert res["quiet"]

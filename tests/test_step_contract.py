@@ -36,7 +36,7 @@ CALLS = [
     ],
 )
 def test_every_hooks_class_implements_the_whole_contract(cls):
-    assert len(CALLS) == 14  # two setup calls (the engine), twelve step calls
+    assert len(CALLS) == 15  # two setup calls (the engine), thirteen step calls
     for name in CALLS:
         assert callable(getattr(cls, name, None)), name
         ours = inspect.signature(getattr(cls, name)).parameters
@@ -71,7 +71,8 @@ def test_the_step_makes_the_contracts_calls_in_order(one_backward):
         object.__setattr__(gsm, name, spy)
     crit(gsm(ids), y).backward()
     opt.step()
-    steps = ["begin_step", "begin_first_pass", "check_all_reported", "end_first_pass"]
+    steps = ["begin_step", "begin_first_pass", "finish_norms", "check_all_reported"]
+    steps += ["end_first_pass"]
     steps += ["get_clipping_coef", "disable_hooks"]
     steps += ["take_kept", "layer_type", "layer_type"] if one_backward else []  # 2 layers
     assert made == [*steps, "enable_hooks"]

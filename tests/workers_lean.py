@@ -10,6 +10,7 @@ import torch
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.hooks import lean
 from opacus_fsdp_sync.hooks.lean import LeanLaneMixin
+from opacus_fsdp_sync.layers.linear_norms import LinearNormSampler
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
 from tests.workers_core import _full_params
@@ -28,6 +29,25 @@ def _counting_lanes():
         return original(module)
 
     lean.take_captured = counted
+    return calls
+
+
+def _counting_deferred():
+    """Counts the norms the lanes deferred to the end of a first pass, and those batched."""
+    calls = {"n": 0, "batched": 0}
+    original = LeanLaneMixin.finish_norms
+    group = LinearNormSampler._finish_group
+
+    def counted(self):
+        calls["n"] += len(self._deferred)
+        return original(self)
+
+    def grouped(self, jobs, scale):
+        calls["batched"] += len(jobs)
+        return group(self, jobs, scale)
+
+    LeanLaneMixin.finish_norms = counted
+    LinearNormSampler._finish_group = grouped
     return calls
 
 
@@ -78,13 +98,15 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         ref_norms.append(clip_each_sample_step(ref, llama_sample_loss, x, x, C, LR).tolist())
         ref_params.append(_full_params(ref))
     calls = _counting_lanes()
+    deferred = _counting_deferred()
     on_params, on_norms = _train(
         PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
     )
     gsm = _train.last_gsm
     lane_types = sorted({lane.layer_type.__name__ for lane in gsm._lanes.values()})
     lane_calls = calls["n"]
-    left_on = _left_state(gsm)
+    deferred_on, batched_on = deferred["n"], deferred["batched"]
+    left_on = _left_state(gsm) + (["deferred norms"] if gsm._deferred else [])
     quiet = _eval_forward_captures_nothing(gsm, ids[rank * B_LOCAL : (rank + 1) * B_LOCAL])
     LeanLaneMixin.lean_hooks = False
     try:
@@ -95,6 +117,14 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         left_off = _left_state(_train.last_gsm)
     finally:
         LeanLaneMixin.lean_hooks = True
+    LeanLaneMixin.defer_norms = False
+    try:  # lanes on, each norm in its hook
+        hook_params, hook_norms = _train(
+            PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
+        )
+        deferred_off = deferred["n"] - deferred_on
+    finally:
+        LeanLaneMixin.defer_norms = True
 
     return dict(
         C=C,
@@ -102,6 +132,14 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         on_vs_off=[_diff(p, q) for p, q in zip(on_params, off_params)],
         norms_on_vs_off=max(abs(x - y) for s, t in zip(on_norms, off_norms) for x, y in zip(s, t)),
         on_vs_loop=[_diff(p, r) for p, r in zip(on_params, ref_params)],
+        deferred_vs_hooks=[_diff(p, q) for p, q in zip(on_params, hook_params)],
+        norms_deferred_vs_hooks=max(
+            abs(x - y) for s, t in zip(on_norms, hook_norms) for x, y in zip(s, t)
+        ),
+        deferred_on=deferred_on,
+        batched_on=batched_on,
+        batched_off=deferred["batched"] - batched_on,
+        deferred_off=deferred_off,
         on_norms=on_norms,
         lane_types=lane_types,
         lanes=len(gsm._lanes),

@@ -84,6 +84,10 @@ class StepHooks(Protocol):
         """
         ...
 
+    def finish_norms(self) -> None:
+        """After the first pass's backward: the norms its hooks deferred (one backward)."""
+        ...
+
     def check_all_reported(self) -> None:
         """After a restricted first pass: raises unless every captured layer reported."""
         ...
@@ -170,6 +174,9 @@ class OpacusStepHooks:
         self, *, keep: bool, per_sample: frozenset[int] = frozenset(), headroom: int | None = None
     ) -> None:
         """Nothing to keep (``keep`` is False without sources)."""
+
+    def finish_norms(self) -> None:
+        """Nothing deferred: Opacus's hooks compute their norms in the backward."""
 
     def check_all_reported(self) -> None:
         """Nothing recorded to check."""

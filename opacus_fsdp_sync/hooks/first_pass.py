@@ -133,13 +133,20 @@ class PassTrackingMixin:
         Per-sample gradients the norm left replace the entry's inputs and output gradient; with
         no entry (a two-pass step) they are dropped here.
         """
+        entry = self._kept_entry(module, entry)
+        if entry is not None:
+            self._kept.append(entry)
+
+    def _kept_entry(self, module: nn.Module, entry):
+        """What :meth:`_keep` keeps for ``entry`` (None: nothing), taking any per-sample grads."""
         policy = self.per_sample_policy
         psgs = policy.stash.pop(id(module), None) if policy is not None else None
         kept = take_per_sample(module)  # always taken: a two-pass step drops them here
         psgs = kept if psgs is None else psgs
-        if entry is not None:
-            # Per-sample gradients replace the inputs and output gradient (see one_backward).
-            self._kept.append(entry if psgs is None else (module, None, psgs))
+        if entry is None:
+            return None
+        # Per-sample gradients replace the inputs and output gradient (see one_backward).
+        return entry if psgs is None else (module, None, psgs)
 
     def take_kept(self) -> list[tuple[nn.Module, list[torch.Tensor], torch.Tensor]]:
         """The kept ``(layer, inputs, output gradient)`` of the last first pass (and forgets)."""
