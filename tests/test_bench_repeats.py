@@ -57,3 +57,12 @@ def test_the_command_prints_the_table(tmp_path, capsys):
     assert repeats.main([str(d) for d in dirs]) == 0
     out = capsys.readouterr().out
     assert "| ghost_fsdp_one_backward | 64 | fsdp2 | preset | 1.100x | 1.100x |" in out
+
+
+def test_two_results_of_one_row_in_one_run_are_refused_by_name(tmp_path, capsys):
+    (run,) = _runs(tmp_path, [(100.0, 110.0)])
+    body = json.loads((run / "ghost_fsdp_one_backward_seq64.json").read_text())
+    body["config"]["name"] = "other_model"
+    (run / "other.json").write_text(json.dumps(body))
+    assert repeats.main([str(run)]) == 2
+    assert "'other_model'" in capsys.readouterr().err

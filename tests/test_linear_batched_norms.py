@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from opacus_fsdp_sync.layers import linear_norms
 from opacus_fsdp_sync.layers.linear_norms import GramCache, GramJob, LinearNormSampler
 
 N, T, D = 3, 10, 12
@@ -86,3 +87,34 @@ def test_what_cannot_be_batched_is_finished_job_by_job():
     for layer, x, g, s, norms in zip(layers, (a, a, b), grads, (1, 2, 1), got):
         want = ref(layer, [x], g)[layer.weight]
         assert torch.equal(norms[layer.weight], want if s == 1 else want * s)
+
+
+def test_a_group_whose_rows_torch_would_sum_otherwise_is_finished_layer_by_layer(monkeypatch):
+    # One sample, 2 threads, T^2 over torch's reduction grain: torch splits a lone row's sum
+    # between the threads, and not the rows of a batched contraction, so the rounding would
+    # differ; and a group over the memory bound. Both are finished layer by layer.
+    torch.manual_seed(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n, t, cap in ((1, 200, None), (3, 10, 1)):
+            if cap is not None:
+                monkeypatch.setattr(linear_norms, "MAX_GROUP_BYTES", cap)
+            a = torch.randn(n, t, D)
+            cache = GramCache(0)
+            layers = _readers(cache, a, (4, 5, 6))
+            grads = [torch.randn(n, t, layer.out_features) for layer in layers]
+            sampler = LinearNormSampler(cache)
+            jobs = _jobs(sampler, layers, a, grads)
+            assert all(sampler.batchable(j) for j in jobs)
+            assert not linear_norms._may_batch(jobs)
+            sampler._finish_group = None  # must not be called
+            got = sampler.finish_batch(jobs, [1, 1, 1])
+            cache2 = GramCache(0)
+            for _ in layers:
+                cache2.note_input(a)
+            ref = LinearNormSampler(cache2)
+            for layer, g, norms in zip(layers, grads, got):
+                assert torch.equal(norms[layer.weight], ref(layer, [a], g)[layer.weight])
+    finally:
+        torch.set_num_threads(threads)

@@ -8,7 +8,8 @@ fixed batch on both sides is the median step ratio.
 
 Usage: ``python -m opacus_fsdp_sync.bench.repeats RUN_DIR [RUN_DIR ...]`` (the suite's output
 folders, e.g. three ``run_all_experiments.sh`` runs) prints a Markdown table; ``--bound 1.15``
-adds whether each median is within it. Exit code 2 when a folder has no results.
+adds whether each median is within it. Exit code 2 when a folder has no results or two results
+of one row.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _key(result: dict) -> RowKey:
         mode=cfg["mode"],
         seq=int(cfg["seq_length"]),
         api=cfg.get("fsdp_api", "fsdp2"),
-        tied=_TIED[cfg.get("tie_word_embeddings")],
+        tied=_TIED.get(cfg.get("tie_word_embeddings"), str(cfg.get("tie_word_embeddings"))),
     )
 
 
@@ -65,8 +66,22 @@ _TIED = {None: "preset", True: "tied", False: "untied"}
 
 
 def run_ratios(results: Sequence[dict]) -> dict[RowKey, float]:
-    """Each successful private result's ratio to the ``no_dp`` result of the same run and row."""
+    """Each successful private result's ratio to the ``no_dp`` result of the same run and row.
+
+    Raises:
+        ValueError: for two results of one row in one run (another model, batch or sampling
+            under the same mode and length: one folder per configuration).
+    """
     ok = [r for r in results if r.get("status") == "ok"]
+    seen: dict[RowKey, str] = {}
+    for r in ok:
+        k, name = _key(r), r["config"].get("name", "?")
+        if k in seen:
+            raise ValueError(
+                f"results {seen[k]!r} and {name!r} are one row ({k.mode}, seq {k.seq}, "
+                f"{k.api}, {k.tied}); pass one folder per configuration"
+            )
+        seen[k] = name
     refs = {}
     for r in ok:
         if r["config"]["mode"] == REFERENCE:
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rows = table(args.runs)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"repeats: {err}", file=sys.stderr)
         return 2
     print(markdown(rows, [p.name for p in args.runs], args.bound))

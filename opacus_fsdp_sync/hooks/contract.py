@@ -3,7 +3,8 @@
 The step (:mod:`opacus_fsdp_sync.backward`) runs a private backward as: begin the step (take the
 first pass's sources), under a memory budget estimate what one backward would keep, say whether
 the first pass keeps what one backward needs (and which layers keep per-sample gradients), run
-the first pass and check every hooked layer reported, end the first pass, take the
+the first pass, finish the norms its hooks deferred and check every hooked layer reported, end
+the first pass, take the
 coefficients, then take what was kept (one backward) or run the second pass with the hooks
 disabled; a failed step aborts.
 :class:`StepHooks` names every call; our hooks classes (:mod:`.ghost`) implement it, and a model

@@ -55,7 +55,7 @@ def linear_per_sample_bytes(
     """Bytes of a sequence ``Linear`` layer's per-sample gradients, or None where not taken.
 
     The per-sample path takes plain ``(N, T, d_in)`` inputs only (see
-    :func:`~opacus_fsdp_sync.layers.linear.make_linear_norm_sampler`).
+    :func:`~opacus_fsdp_sync.layers.linear_norms.make_linear_norm_sampler`).
     """
     if len(inputs) != 1 or type(inputs[0]) is not torch.Tensor or inputs[0].dim() != 3:
         return None

@@ -17,7 +17,8 @@ T = 1024). Here:
 
 - the input Gram ``A_n A_n^T`` is computed once per backward for all layers that read the same
   tensor (``q``/``k``/``v`` and ``gate``/``up`` in a Llama block): the forward hook counts the
-  readers, the backward releases the Gram after the last one;
+  readers, and the Gram is released after the last one (in its hook, or at the end of the first
+  pass for readers finished together there, :mod:`.linear_norms`);
 - the Grams are held in fp32 (fp64 for fp64) and contracted by batched dot products, without
   writing their elementwise product;
 - with ``gram_block`` (see :mod:`.linear_grams`), only the upper block triangle of each symmetric

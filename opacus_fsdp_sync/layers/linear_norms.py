@@ -13,7 +13,9 @@ input (``q``/``k``/``v``, ``gate``/``up``), each with one Gram block, fp32 or fp
 whose contractions multiply and sum (:data:`.linear_grams.PRODUCT_CONTRACTION`, CPU) write their
 output-gradient Grams into one buffer and take one contraction with the input Gram, one
 ``clamp``/``sqrt`` and one scaling for all of them. Each row is the number the per-layer route
-computes, bit for bit (``tests/test_lean_hooks.py`` compares them); the batching only removes
+computes, bit for bit (``tests/test_lean_hooks.py`` and ``tests/test_linear_batched_norms.py``
+compare them): a group is batched only where torch sums every row the way the per-layer
+contraction does (:func:`_may_batch`), and within a memory bound. The batching only removes
 per-layer ops and Python. Anything else is finished job by job.
 """
 
@@ -116,6 +118,30 @@ class GramCache:
         self._readers.clear()
         self._total.clear()
         self._grams.clear()
+
+
+#: torch's ``at::internal::GRAIN_SIZE``: a CPU reduction over fewer elements runs serially. Over
+#: more, with fewer outputs than threads, torch splits each output's sum between the threads,
+#: and how depends on the number of outputs.
+REDUCTION_GRAIN = 32768
+#: Bytes of output-gradient Grams one batched group may hold (the contraction's product as many
+#: again); a larger group is finished layer by layer, each Gram dropped after its use.
+MAX_GROUP_BYTES = 64 * 2**20
+
+
+def _may_batch(group: list[GramJob]) -> bool:
+    """Whether one contraction over ``group`` sums each row as the per-layer contractions do.
+
+    Bit for bit where neither splits a row's sum between threads: one thread, at least as many
+    samples as threads (every row is one thread's), or fewer elements in all than
+    :data:`REDUCTION_GRAIN`. And within :data:`MAX_GROUP_BYTES`.
+    """
+    a = group[0].a
+    n, t = a.shape[0], a.shape[1]
+    total = len(group) * n * t * t
+    threads = torch.get_num_threads()
+    serial = threads == 1 or n >= threads or total < REDUCTION_GRAIN
+    return serial and total * a.element_size() <= MAX_GROUP_BYTES
 
 
 @dataclass
@@ -247,8 +273,9 @@ class LinearNormSampler:
             if self.batchable(job):
                 groups.setdefault((_key(job.a), scales[i]), []).append(i)
         for (_, scale), members in groups.items():
-            if len(members) > 1:
-                for i, norms in zip(members, self._finish_group([jobs[i] for i in members], scale)):
+            group = [jobs[i] for i in members]
+            if len(group) > 1 and _may_batch(group):
+                for i, norms in zip(members, self._finish_group(group, scale)):
                     out[i] = norms
         for i, job in enumerate(jobs):
             if out[i] is None:

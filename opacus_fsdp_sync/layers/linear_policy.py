@@ -90,7 +90,7 @@ class PerSampleGradPolicy:
             element_size: Bytes per gradient element.
             device: The layer input's device (for ``"auto"`` settings).
             blocked: False where the ghost norm takes full Grams whatever ``gram_block`` says
-                (DTensor inputs, see :class:`~opacus_fsdp_sync.layers.linear.GramCache`).
+                (DTensor inputs, see :class:`~opacus_fsdp_sync.layers.linear_norms.GramCache`).
         """
         balance = self.flops_per_byte
         balance = machine_balance(device) if balance is None else balance
