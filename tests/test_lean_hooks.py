@@ -57,3 +57,13 @@ def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs)
         # no per-step state left on any layer, either way; eval and hooks off capture nothing
         assert res["left_on"] == [] and res["left_off"] == [], (res["left_on"], res["left_off"])
         assert res["quiet"]
+
+
+def test_a_failure_while_norms_are_deferred_leaves_nothing_behind():
+    # the batched Gram finish raises in the first step: the error reaches the caller, nothing
+    # deferred, kept or cached is left, and the next two steps equal a run that never failed
+    results = run_ranks(workers_lean.failure_while_norms_are_deferred, 2, timeout=300)
+    for res in results:
+        assert res["error"] == "batched finish broke"
+        assert res["left"] == {"deferred": 0, "kept": 0, "grams": 0, "layers": []}, res["left"]
+        assert res["after_vs_clean"] == [0.0, 0.0], res["after_vs_clean"]

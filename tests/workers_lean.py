@@ -12,7 +12,9 @@ from opacus_fsdp_sync.hooks import lean
 from opacus_fsdp_sync.hooks.lean import LeanLaneMixin
 from opacus_fsdp_sync.layers.linear_norms import LinearNormSampler
 from opacus_fsdp_sync.models import LlamaSpec, build_llama
+from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+from tests.private import lm_loss, make_private
 from tests.workers_core import _full_params
 from tests.workers_tied import B_LOCAL, LR, T, _diff, _train, llama_sample_loss
 
@@ -149,4 +151,65 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         left_on=left_on,
         left_off=left_off,
         quiet=quiet,
+    )
+
+
+def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
+    """A step whose deferred Gram contractions raise, then two steps, against two clean steps.
+
+    Returns the error seen, what the failed step left (deferred jobs, kept entries, cached
+    Grams, per-layer state) and the largest difference between the steps after the failure
+    and the same steps of a run that never failed.
+    """
+    torch.manual_seed(0)
+    base = build_llama(LlamaSpec(preset="tiny"))
+    b = B_LOCAL * world
+    ids = torch.randint(
+        1, base.config.vocab_size, (b * 2, T), generator=torch.Generator().manual_seed(1)
+    )
+    _, norms0 = per_sample_clipped_grads(
+        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
+    )
+    C = norms0.median().item()  # clipping active
+    clean, _ = _train(PrivacyEngine(), base, ids, rank, world, C, 2, True)
+    original = LinearNormSampler.finish_batch
+    broke = {"n": 0}
+
+    def breaks_once(self, jobs, scales):
+        if broke["n"] == 0:
+            broke["n"] += 1
+            raise RuntimeError("batched finish broke")
+        return original(self, jobs, scales)
+
+    LinearNormSampler.finish_batch = breaks_once
+    cfg = ShardingConfig.for_precision("fp32")
+    model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
+    try:
+        gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", lr=LR)
+        x = ids[:b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
+        error = None
+        try:
+            lm_loss(gsm, crit, x).backward()
+        except RuntimeError as err:
+            error = str(err)
+        left = dict(
+            deferred=len(gsm._deferred),
+            kept=len(gsm._kept),
+            grams=len(gsm.gram_cache._grams) + len(gsm.gram_cache._readers),
+            layers=_left_state(gsm),
+        )
+        opt.zero_grad()
+        after = []
+        for s in range(2):
+            x = ids[s * b : (s + 1) * b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
+            lm_loss(gsm, crit, x).backward()
+            opt.step()
+            opt.zero_grad()
+            after.append(_full_params(model))
+    finally:
+        LinearNormSampler.finish_batch = original
+    return dict(
+        error=error,
+        left=left,
+        after_vs_clean=[_diff(p, q) for p, q in zip(after, clean)],
     )
