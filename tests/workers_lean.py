@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from unittest import mock
 
 import torch
 
@@ -77,13 +78,9 @@ def _eval_forward_captures_nothing(gsm, ids) -> bool:
     return not _left_state(gsm)
 
 
-def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -> dict:
-    """Two FSDP2 steps of a tiny Llama with the lanes on and off, and the clip-each-sample loop.
-
-    Returns the largest difference between lanes on and off (parameters after each step and
-    per-sample norms), each against the loop, the lane layer types and the lane calls per step.
-    """
-    steps = 2
+def _tiny_setup(world: int, steps: int, tie: bool = False):
+    """A tiny Llama, the global batches of ``steps`` steps, and a clipping bound that clips
+    about half of the first batch's samples (the median norm)."""
     torch.manual_seed(0)
     base = build_llama(LlamaSpec(preset="tiny", tie_word_embeddings=tie))
     b = B_LOCAL * world
@@ -93,7 +90,18 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     _, norms0 = per_sample_clipped_grads(
         copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
     )
-    C = norms0.median().item()
+    return base, ids, norms0.median().item()
+
+
+def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -> dict:
+    """Two FSDP2 steps of a tiny Llama with the lanes on and off, and the clip-each-sample loop.
+
+    Returns the largest difference between lanes on and off (parameters after each step and
+    per-sample norms), each against the loop, the lane layer types and the lane calls per step.
+    """
+    steps = 2
+    base, ids, C = _tiny_setup(world, steps, tie)
+    b = B_LOCAL * world
     ref, ref_norms, ref_params = copy.deepcopy(base), [], []
     for s in range(steps):
         x = ids[s * b : (s + 1) * b]
@@ -110,23 +118,17 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     deferred_on, batched_on = deferred["n"], deferred["batched"]
     left_on = _left_state(gsm) + (["deferred norms"] if gsm._deferred else [])
     quiet = _eval_forward_captures_nothing(gsm, ids[rank * B_LOCAL : (rank + 1) * B_LOCAL])
-    LeanLaneMixin.lean_hooks = False
-    try:
+    with mock.patch.object(LeanLaneMixin, "lean_hooks", False):
         off_params, off_norms = _train(
             PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
         )
         off_calls = calls["n"] - lane_calls
         left_off = _left_state(_train.last_gsm)
-    finally:
-        LeanLaneMixin.lean_hooks = True
-    LeanLaneMixin.defer_norms = False
-    try:  # lanes on, each norm in its hook
+    with mock.patch.object(LeanLaneMixin, "defer_norms", False):  # each norm in its hook
         hook_params, hook_norms = _train(
             PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
         )
         deferred_off = deferred["n"] - deferred_on
-    finally:
-        LeanLaneMixin.defer_norms = True
 
     return dict(
         C=C,
@@ -161,16 +163,8 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
     Grams, per-layer state) and the largest difference between the steps after the failure
     and the same steps of a run that never failed.
     """
-    torch.manual_seed(0)
-    base = build_llama(LlamaSpec(preset="tiny"))
+    base, ids, C = _tiny_setup(world, 2)  # clipping active
     b = B_LOCAL * world
-    ids = torch.randint(
-        1, base.config.vocab_size, (b * 2, T), generator=torch.Generator().manual_seed(1)
-    )
-    _, norms0 = per_sample_clipped_grads(
-        copy.deepcopy(base), llama_sample_loss, ids[:b], ids[:b], 1.0
-    )
-    C = norms0.median().item()  # clipping active
     clean, _ = _train(PrivacyEngine(), base, ids, rank, world, C, 2, True)
     original = LinearNormSampler.finish_batch
     broke = {"n": 0}
@@ -181,10 +175,9 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
             raise RuntimeError("batched finish broke")
         return original(self, jobs, scales)
 
-    LinearNormSampler.finish_batch = breaks_once
     cfg = ShardingConfig.for_precision("fp32")
     model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-    try:
+    with mock.patch.object(LinearNormSampler, "finish_batch", breaks_once):
         gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", lr=LR)
         x = ids[:b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
         error = None
@@ -206,8 +199,6 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             after.append(_full_params(model))
-    finally:
-        LinearNormSampler.finish_batch = original
     return dict(
         error=error,
         left=left,

@@ -43,7 +43,7 @@ from torch import nn
 
 from .kernels import linear_clipped_grad as fused_clipped_grad
 from .linear_grams import contract_output_grams, row_blocks, upper_gram
-from .linear_norms import (  # noqa: F401  (GramCache, make_linear_norm_sampler: their old home)
+from .linear_norms import (
     GramCache,
     linear_per_sample_grads,
     make_linear_norm_sampler,
