@@ -84,9 +84,10 @@ class GhostOptions:
     """Fused Triton kernels for ``Linear`` layers (:mod:`opacus_fsdp_sync.layers.kernels`): the
     ghost norm without ``T x T`` Grams (or the per-sample-gradient norm as a GEMM epilogue where
     that has fewer FLOPs) with ``fast_norms``, and the one-backward clipped gradient with the
-    coefficients folded in. None: on CUDA when ``triton`` imports; True: also on CPU under
-    Triton's interpreter (``TRITON_INTERPRET=1``, for tests; needs ``triton``); False: the torch
-    path. Exact to floating-point rounding (the summation order differs)."""
+    coefficients folded in. True: on CUDA, and on CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1``, for tests; needs ``triton``). None (default) and False: the torch
+    path, which the GPU campaign measured faster on an H100 (``docs/kernels.md``). Exact to
+    floating-point rounding (the summation order differs)."""
     timing: bool | None = None
     """Log ``[Ghost]`` per-phase timings each step; None reads ``OPACUS_FSDP_SYNC_TIMING``."""
 
@@ -126,8 +127,8 @@ class GhostOptions:
             raise ValueError(f"keep_unsharded_budget_bytes={budget}: must be >= 0")
         if self.fused_kernels is not None and not isinstance(self.fused_kernels, bool):
             raise ValueError(
-                f"fused_kernels={self.fused_kernels!r}: choose None (automatic: on CUDA when "
-                "triton imports), True or False"
+                f"fused_kernels={self.fused_kernels!r}: choose None (default: the torch path), "
+                "True (the fused Triton kernels on CUDA) or False"
             )
         check_budget("one_backward_memory_budget", self.one_backward_memory_budget)
         check_budget("tune_norms_memory_budget", self.tune_norms_memory_budget)

@@ -91,11 +91,11 @@ FROZEN_MODES = {
         "ghost_fsdp",
         "A/B for tune_norms: the default with the static norm rules (tuning off)",
     ),
-    "ghost_fsdp_one_backward_torch_kernels": (
+    "ghost_fsdp_one_backward_fused_kernels": (
         True,
-        {"restricted_first_pass": True, "one_backward": True, "fused_kernels": False},
+        {"restricted_first_pass": True, "one_backward": True, "fused_kernels": True},
         "ghost_fsdp",
-        "A/B for fused_kernels: the default with the torch path for Linear layers",
+        "A/B for fused_kernels: the default with the fused Triton kernels for Linear layers",
     ),
 }
 

@@ -37,7 +37,7 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
         assert "SEQ_LENGTHS=1024 2048 4096" in rows
         assert (
             "MODES=no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned "
-            "ghost_fsdp_one_backward_torch_kernels" in rows
+            "ghost_fsdp_one_backward_fused_kernels" in rows
         )
     assert "POISSON=0" in suite and "POISSON=1" in poisson  # fixed batch, then Poisson sampling
     assert "gram_blocks.py" in gram and "--seq-lengths 512 1024 2048 4096" in gram
@@ -86,7 +86,7 @@ def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
         "ghost_fsdp",
         "ghost_fsdp_one_backward",
         "ghost_fsdp_one_backward_untuned",
-        "ghost_fsdp_one_backward_torch_kernels",
+        "ghost_fsdp_one_backward_fused_kernels",
     ):
         assert json.loads((out / "suite" / f"{mode}_seq32.json").read_text())["status"] == "ok"
     assert (out / "gram_blocks" / "gram_blocks.md").exists()
@@ -95,3 +95,52 @@ def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
     assert list((out / "op_profile" / "profiles").glob("*.ops.txt"))
     summary = (out / "campaign.md").read_text()
     assert "# GPU campaign: cpu-" in summary and "## Suite" in summary and "- gram:" in summary
+
+
+def _fake_nvidia_smi(tmp_path, name="NVIDIA H100 80GB HBM3", mib=81559):
+    """A PATH holding an ``nvidia-smi`` that answers the campaign's two queries."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text(
+        "#!/usr/bin/env bash\n"
+        f'case "$*" in *memory.total*) echo {mib} ;; *name*) echo "{name}" ;; esac\n'
+    )
+    tool.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_poisson_rows_halve_the_batch_on_an_80gb_card(tmp_path):
+    proc = _run(tmp_path, DRY_RUN="1", PATH=_fake_nvidia_smi(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    suite, poisson = [line for line in proc.stdout.splitlines() if line.startswith("+ ")][:2]
+    assert "BATCH_SIZE=8 " in suite and "POISSON=0" in suite
+    assert "BATCH_SIZE=4 " in poisson and "POISSON=1" in poisson
+    assert "does not hold 1.5x 8" in proc.stdout
+    assert "NVIDIA H100 80GB HBM3" in proc.stdout  # the hardware is named from the same tool
+
+
+def test_poisson_batch_is_kept_on_a_large_card_or_when_given(tmp_path):
+    big = _run(tmp_path, DRY_RUN="1", PATH=_fake_nvidia_smi(tmp_path, "NVIDIA H200", 143771))
+    given = _run(tmp_path, DRY_RUN="1", POISSON_BATCH_SIZE="3")
+    for proc, batch in ((big, 8), (given, 3)):
+        assert proc.returncode == 0, proc.stderr
+        poisson = [line for line in proc.stdout.splitlines() if line.startswith("+ ")][1]
+        assert f"BATCH_SIZE={batch} " in poisson and "POISSON=1" in poisson
+
+
+@pytest.mark.slow
+def test_a_failed_part_is_reported_and_the_next_part_runs(tmp_path):
+    proc = _run(
+        tmp_path,
+        PARTS="gram ledger",
+        GRAM_ARGS="--no-such-option",
+        LEDGER_ARGS="--preset tiny --blocks 1 --batch-size 2 --seq-length 32",
+    )
+    assert proc.returncode == 1
+    assert "part gram FAILED" in proc.stdout and "failed parts: gram" in proc.stderr
+    out = tmp_path / "campaign"
+    assert list((out / "ledger").glob("*.md"))  # the part after the failure ran
+    summary = (out / "campaign.md").read_text()
+    assert "- gram: " in summary and "(FAILED: see its logs)" in summary
+    assert "(FAILED" not in summary.split("- ledger: ")[1].splitlines()[0]

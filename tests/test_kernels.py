@@ -125,12 +125,18 @@ def test_empty_batch_on_the_torch_path():
     assert not ops.clipped_grad_linear(a, g, torch.ones(0)).any()
 
 
-def test_automatic_choice_is_off_on_cpu():
+def test_automatic_choice_is_the_torch_path(monkeypatch):
     a, g = _inputs()
     assert not availability.use_fused(None, a, g)
     assert not availability.use_fused(False, a, g)
     assert not availability.use_fused(True, a.double(), g.double())
     assert "torch path" in availability.describe(None, torch.device("cpu"))
+    # None is the torch path on CUDA too (measured faster on an H100), and under the
+    # interpreter, where only True launches the kernels
+    assert availability.describe(None, torch.device("cuda")) == availability.AUTOMATIC
+    assert "measured faster" in availability.AUTOMATIC
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not availability.use_fused(None, a, g)
 
 
 def test_option_is_validated():
@@ -186,9 +192,13 @@ def test_compiled_kernels_on_cuda(dtype, shape):
     a = torch.randn(n, t, d_in, device="cuda", generator=gen).to(dtype)
     g = torch.randn(n, t, d_out, device="cuda", generator=gen).to(dtype)
     exact = (torch.bmm(g.double().mT, a.double()) ** 2).sum((1, 2))
+    # fp32 accumulation's error bound scales with the sum of the terms' magnitudes, which for
+    # both orders of summation is the norm of |G|^T |A| (a bf16 case at T = 130 and d_out = 5000
+    # was 1.6e-5 from fp64 relative to the norm itself, where positive and negative terms cancel)
+    mag = (torch.bmm(g.double().abs().mT, a.double().abs()) ** 2).sum((1, 2))
     for got in (ops.ghost_norm_linear(a, g, 64), ops.per_sample_norm_linear(a, g)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0)
+        assert ((got.double() - exact).abs() / mag).max().item() <= 1e-5
     coef = torch.rand(n, device="cuda", generator=gen)
     scaled = torch.mul(g, coef.view(-1, 1, 1), out=torch.empty_like(g)).double()
     want = scaled.reshape(-1, d_out).t() @ a.double().reshape(-1, d_in)

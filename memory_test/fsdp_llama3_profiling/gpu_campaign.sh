@@ -5,10 +5,12 @@
 #                     each of SEQ_LENGTHS: no_dp, upstream ghost_fsdp, the default
 #                     (ghost_fsdp_one_backward, tune_norms="auto" = on for GPUs), the default
 #                     with tuning off (ghost_fsdp_one_backward_untuned) and the default with
-#                     the fused kernels off (ghost_fsdp_one_backward_torch_kernels); each row's
-#                     peak memory is in the suite's summary;
+#                     the fused Triton kernels on (ghost_fsdp_one_backward_fused_kernels); each
+#                     row's peak memory is in the suite's summary;
 #   2. poisson:       the same rows with Poisson sampling (compared per example, as the suite
-#                     does: bench/throughput.py);
+#                     does: bench/throughput.py) at an expected batch of POISSON_BATCH_SIZE
+#                     (default BATCH_SIZE, halved on a card under 100 GiB: draws reach 1.5x the
+#                     expected batch, and batch 12 at seq 1024 does not fit an 80 GB H100);
 #   3. gram:          gram_blocks.py, the Linear ghost norms of one decoder block per gram_block;
 #   4. ledger:        the op ledger (bench/ledger.py) of the same model at the first sequence
 #                     length, one decoder block, on this machine's CPU: bytes, ops and FLOPs per
@@ -17,12 +19,13 @@
 #   6. hf_fsdp:       examples/hf_sft.py through accelerate's FSDP2 plugin (DPSFTTrainer, 20
 #                     steps), the integration path CPU tests cannot take (on CPU accelerate
 #                     wraps DDP instead); its summary line lands in hf_fsdp/summary.json.
+# A part that fails is reported and the next part runs; the script exits 1 at the end if any did.
 # Results go to results/<hardware>-campaign/ (hardware from nvidia-smi, else torch), with
 # campaign.md naming the hardware, software, commands and each part's wall time.
 # Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
 # ("suite poisson gram ledger profile hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
-# MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS, DRY_RUN=1 (print the
-# commands only).
+# POISSON_BATCH_SIZE, MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
+# DRY_RUN=1 (print the commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
 #   PARTS="suite gram profile"
 #   GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1" OUT=/tmp/x bash gpu_campaign.sh
@@ -40,7 +43,7 @@ PARTS=${PARTS:-"suite poisson gram ledger profile hf_fsdp"}
 MODEL=${MODEL:-llama3.2-1b}
 BATCH_SIZE=${BATCH_SIZE:-8}
 SEQ_LENGTHS=${SEQ_LENGTHS:-"1024 2048 4096"}
-MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned ghost_fsdp_one_backward_torch_kernels"}
+MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned ghost_fsdp_one_backward_fused_kernels"}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
 PROFILE_STEPS=${PROFILE_STEPS:-2}
@@ -48,6 +51,21 @@ GRAM_ARGS=${GRAM_ARGS:-"--seq-lengths 512 1024 2048 4096 --blocks 0 64 128 256 5
 FIRST_SEQ=${SEQ_LENGTHS%% *}
 LEDGER_ARGS=${LEDGER_ARGS:-"--preset $MODEL --blocks 1 --batch-size 1 --seq-length $FIRST_SEQ --accelerator-norms"}
 DRY_RUN=${DRY_RUN:-0}
+
+gpu_mib() {  # the first GPU's memory in MiB, 0 when none answers
+  local mib=""
+  command -v nvidia-smi >/dev/null 2>&1 &&
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 || true)
+  echo "${mib:-0}" | tr -dc '0-9'
+}
+if [ -z "${POISSON_BATCH_SIZE:-}" ]; then
+  POISSON_BATCH_SIZE=$BATCH_SIZE
+  mib=$(gpu_mib)
+  if [ "${mib:-0}" -gt 0 ] && [ "$mib" -lt 102400 ] && [ "$BATCH_SIZE" -gt 1 ]; then
+    POISSON_BATCH_SIZE=$((BATCH_SIZE / 2))
+    echo "Poisson rows at an expected batch of $POISSON_BATCH_SIZE: a $mib MiB card does not hold 1.5x $BATCH_SIZE"
+  fi
+fi
 
 hardware() {
   local name=""
@@ -77,11 +95,13 @@ run() {  # prints the command; runs it unless DRY_RUN=1
 echo "GPU campaign on: $HW -> $OUT (parts: $PARTS)"
 [ "$DRY_RUN" = 1 ] || mkdir -p "$OUT"
 declare -A SECONDS_OF=()
-for part in $PARTS; do
-  start=$SECONDS
+FAILED=()
+run_part() {  # one part; its status is its last command's
+  local part=$1
   case "$part" in
     suite|poisson)
-      run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
+      batch=$BATCH_SIZE; [ "$part" = poisson ] && batch=$POISSON_BATCH_SIZE
+      run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$batch" \
         SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" MODES="$MODES" \
         POISSON="$([ "$part" = poisson ] && echo 1 || echo 0)" \
         bash "$HERE/run_all_experiments.sh" ;;
@@ -106,9 +126,21 @@ for part in $PARTS; do
         mkdir -p "$OUT/hf_fsdp"
         "${cmd[@]}" | tee "$OUT/hf_fsdp/log.txt" | tail -n 1 >"$OUT/hf_fsdp/summary.json"
       fi ;;
+  esac
+}
+for part in $PARTS; do
+  case "$part" in
+    suite|poisson|gram|ledger|profile|hf_fsdp) ;;
     *) echo "PARTS: unknown part '$part' (use suite, poisson, gram, ledger, profile, hf_fsdp)"
        exit 2 ;;
   esac
+done
+for part in $PARTS; do
+  start=$SECONDS
+  if ! run_part "$part"; then
+    FAILED+=("$part")
+    echo "part $part FAILED (its logs are under $OUT); going on with the next part"
+  fi
   SECONDS_OF[$part]=$((SECONDS - start))
 done
 [ "$DRY_RUN" = 1 ] && exit 0
@@ -123,9 +155,12 @@ print(f"torch {torch.__version__} (CUDA {cuda}), opacus {opacus.__version__}, "
       f"Python {platform.python_version()}")
 PY
   echo
-  echo "Settings: MODEL=$MODEL BATCH_SIZE=$BATCH_SIZE SEQ_LENGTHS=$SEQ_LENGTHS STEPS=$STEPS WARMUP=$WARMUP; gram_blocks.py $GRAM_ARGS"
+  echo "Settings: MODEL=$MODEL BATCH_SIZE=$BATCH_SIZE POISSON_BATCH_SIZE=$POISSON_BATCH_SIZE SEQ_LENGTHS=$SEQ_LENGTHS STEPS=$STEPS WARMUP=$WARMUP; gram_blocks.py $GRAM_ARGS"
   echo
-  for part in $PARTS; do echo "- $part: ${SECONDS_OF[$part]} s"; done
+  for part in $PARTS; do
+    status=""; [[ " ${FAILED[*]} " == *" $part "* ]] && status=" (FAILED: see its logs)"
+    echo "- $part: ${SECONDS_OF[$part]} s$status"
+  done
   echo
   [ -f "$OUT/suite/summary.md" ] && { echo "## Suite, fixed batch"; echo; cat "$OUT/suite/summary.md"; echo; }
   [ -f "$OUT/poisson/summary.md" ] && { echo "## Suite, Poisson sampling"; echo; cat "$OUT/poisson/summary.md"; echo; }
@@ -135,3 +170,7 @@ PY
   ls "$OUT"/op_profile/profiles/*.ops.txt 2>/dev/null | sed 's/^/op profile: /' || true
 } >"$OUT/campaign.md"
 echo "campaign summary: $OUT/campaign.md"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  echo "failed parts: ${FAILED[*]}" >&2
+  exit 1
+fi

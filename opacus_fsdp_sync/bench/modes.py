@@ -64,9 +64,9 @@ _ONE_BACKWARD = {
         {"tune_norms": False},
         "A/B for tune_norms: the default with the static norm rules (tuning off)",
     ),
-    "ghost_fsdp_one_backward_torch_kernels": (
-        {"fused_kernels": False},
-        "A/B for fused_kernels: the default with the torch path for Linear layers",
+    "ghost_fsdp_one_backward_fused_kernels": (
+        {"fused_kernels": True},
+        "A/B for fused_kernels: the default with the fused Triton kernels for Linear layers",
     ),
 }
 

@@ -18,6 +18,15 @@ logger = logging.getLogger(__name__)
 #: Dtypes the kernels take (others, fp64 included, keep the torch path).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: Why ``fused_kernels=None`` takes the torch path on every device: the GPU campaign's A/B
+#: (``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/fused-by-default/``;
+#: Llama-3.2-1B shape, batch 8, seq 1024,
+#: bf16, one H100) measured the fused kernels slower in both places they run.
+AUTOMATIC = (
+    "torch path (fused_kernels=None: measured faster than the fused kernels on an H100, "
+    "step 385.5 against 413.0 ms; fused_kernels=True opts in)"
+)
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -52,18 +61,17 @@ def use_fused(option: bool | None, *tensors: torch.Tensor) -> bool:
     """Whether the ``Linear`` room takes the fused kernels for ``tensors``.
 
     Args:
-        option: :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels`: None (automatic)
-            on CUDA tensors when Triton imports; True also on CPU under Triton's interpreter
-            (``TRITON_INTERPRET=1``, for tests); False never.
+        option: :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels`: True on CUDA
+            tensors, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, for tests);
+            None (the default) and False never: on an H100 the torch path was measured faster
+            (:data:`AUTOMATIC`).
         *tensors: The layer input and output gradient (local tensors).
 
     Returns:
         True when the kernels apply: a supported dtype (fp32, bf16, fp16) on a device where
         Triton can launch them.
     """
-    if option is False or not tensors or not all(t.dtype in DTYPES for t in tensors):
-        return False
-    if tensors[0].device.type != "cuda" and option is not True:
+    if option is not True or not tensors or not all(t.dtype in DTYPES for t in tensors):
         return False
     return can_launch(*tensors)
 
@@ -82,8 +90,8 @@ def describe(option: bool | None, device: torch.device) -> str:
         )
     if option is False:
         return "torch path (fused_kernels=False)"
-    if device.type != "cuda" and not (option is True and interpreting()):
+    if option is None:
+        return AUTOMATIC
+    if device.type != "cuda" and not interpreting():
         return f"torch path (fused_kernels={option}: {device.type} is not CUDA)"
-    if not triton_available():
-        return "torch path (fused_kernels=None: triton does not import)"
     return f"fused Triton kernels (fused_kernels={option}, {device.type})"
