@@ -30,8 +30,8 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
     proc = _run(tmp_path, DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     cmds = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    assert len(cmds) == 6
-    suite, poisson, gram, ledger, profile, hf_fsdp = cmds
+    assert len(cmds) == 7
+    suite, poisson, gram, ledger, profile, phases, hf_fsdp = cmds
     for rows in (suite, poisson):
         assert "BATCH_SIZE=8" in rows and "MODEL=llama3.2-1b" in rows
         assert "SEQ_LENGTHS=1024 2048 4096" in rows
@@ -43,7 +43,9 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
     assert "gram_blocks.py" in gram and "--seq-lengths 512 1024 2048 4096" in gram
     assert "opacus_fsdp_sync.bench.ledger" in ledger and "--seq-length 1024" in ledger
     assert "--accelerator-norms" in ledger
-    assert "EXTRA_ARGS=--op-profile" in profile and "MODES=ghost_fsdp_one_backward " in profile
+    assert "EXTRA_ARGS=--op-profile" in profile
+    assert "MODES=no_dp ghost_fsdp_one_backward " in profile
+    assert "bench.trace_phases" in phases and "no_dp_seq1024.trace.json" in phases
     assert "SEQ_LENGTHS=1024 " in profile
     assert "examples/hf_sft.py --fsdp" in hf_fsdp  # accelerate's FSDP2 plugin, GPUs only
     assert not (tmp_path / "campaign").exists()  # nothing run
@@ -93,6 +95,10 @@ def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
     assert list((out / "ledger").glob("*.md"))
     assert "## Op ledger" in (out / "campaign.md").read_text()
     assert list((out / "op_profile" / "profiles").glob("*.ops.txt"))
+    assert len(list((out / "op_profile" / "profiles").glob("*.trace.json.gz"))) == 2
+    phases = (out / "op_profile" / "phases.md").read_text()
+    assert "| forward |" in phases and "| first_backward |" in phases
+    assert "## Op profile by phase" in (out / "campaign.md").read_text()
     summary = (out / "campaign.md").read_text()
     assert "# GPU campaign: cpu-" in summary and "## Suite" in summary and "- gram:" in summary
 

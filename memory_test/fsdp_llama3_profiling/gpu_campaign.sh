@@ -15,7 +15,9 @@
 #   4. ledger:        the op ledger (bench/ledger.py) of the same model at the first sequence
 #                     length, one decoder block, on this machine's CPU: bytes, ops and FLOPs per
 #                     phase beside the timings;
-#   5. profile:       a torch.profiler per-op table and Chrome trace of one default step;
+#   5. profile:       a torch.profiler per-op table and Chrome trace (gzipped) of one non-private
+#                     and one default step, and their time per phase and op class
+#                     (bench/trace_phases.py: op_profile/phases.md);
 #   6. hf_fsdp:       examples/hf_sft.py through accelerate's FSDP2 plugin (DPSFTTrainer, 20
 #                     steps), the integration path CPU tests cannot take (on CPU accelerate
 #                     wraps DDP instead); its summary line lands in hf_fsdp/summary.json.
@@ -115,8 +117,13 @@ run_part() {  # one part; its status is its last command's
     profile)
       run "${NPROC_ARG[@]}" OUT="$OUT/op_profile" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
         SEQ_LENGTHS="$FIRST_SEQ" STEPS="$PROFILE_STEPS" WARMUP="$WARMUP" \
-        MODES="ghost_fsdp_one_backward" EXTRA_ARGS="--op-profile" \
-        bash "$HERE/run_all_experiments.sh" ;;
+        MODES="no_dp ghost_fsdp_one_backward" EXTRA_ARGS="--op-profile" \
+        bash "$HERE/run_all_experiments.sh" &&
+        run PYTHONUNBUFFERED=1 "$PYTHON" -m opacus_fsdp_sync.bench.trace_phases \
+          "$OUT/op_profile/profiles/no_dp_seq${FIRST_SEQ}.trace.json" \
+          "$OUT/op_profile/profiles/ghost_fsdp_one_backward_seq${FIRST_SEQ}.trace.json" \
+          --out "$OUT/op_profile/phases.md" &&
+        { [ "$DRY_RUN" = 1 ] || gzip -f "$OUT"/op_profile/profiles/*.trace.json; } ;;
     hf_fsdp)
       cmd=(env PYTHONUNBUFFERED=1 "$PYTHON" -m torch.distributed.run --standalone
         --nproc-per-node "${NPROC:-1}" "$HERE/../../examples/hf_sft.py" --fsdp --max-steps 20
@@ -166,6 +173,7 @@ PY
   [ -f "$OUT/poisson/summary.md" ] && { echo "## Suite, Poisson sampling"; echo; cat "$OUT/poisson/summary.md"; echo; }
   [ -f "$OUT/gram_blocks/gram_blocks.md" ] && { echo "## gram_blocks.py"; echo; cat "$OUT/gram_blocks/gram_blocks.md"; echo; }
   [ -f "$OUT/hf_fsdp/summary.json" ] && { echo "## DPSFTTrainer, accelerate's FSDP2 plugin"; echo; cat "$OUT/hf_fsdp/summary.json"; echo; }
+  [ -f "$OUT/op_profile/phases.md" ] && { echo "## Op profile by phase"; echo; cat "$OUT/op_profile/phases.md"; echo; }
   for f in "$OUT"/ledger/*.md; do [ -f "$f" ] && { echo "## Op ledger"; echo; cat "$f"; echo; }; done
   ls "$OUT"/op_profile/profiles/*.ops.txt 2>/dev/null | sed 's/^/op profile: /' || true
 } >"$OUT/campaign.md"

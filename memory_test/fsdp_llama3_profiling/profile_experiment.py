@@ -41,6 +41,7 @@ from opacus_fsdp_sync.profiling import (
     StepTimer,
     peak_memory,
     phase,
+    profiler_ranges,
     reset_peak,
 )
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
@@ -252,6 +253,8 @@ def run(cfg: ExperimentConfig) -> dict:
         if cfg.op_profile and rank == 0 and i == cfg.warmup + cfg.steps - 1:
             profiler = _op_profiler(device)
             profiler.__enter__()
+            ranges = profiler_ranges()  # phase::<name> ranges in the trace (bench.trace_phases)
+            ranges.__enter__()
         sampling_ms = None
         if batches is not None:  # the shared draw, split and collate, outside the step's time
             start = time.perf_counter()
@@ -278,6 +281,7 @@ def run(cfg: ExperimentConfig) -> dict:
             if counted:
                 counter.__exit__(None, None, None)
             if profiler is not None:
+                ranges.__exit__(None, None, None)
                 profiler.__exit__(None, None, None)
                 _write_op_profile(profiler, cfg, device)
         timings = timer.flush()

@@ -5,7 +5,7 @@ from .flops import PhaseFlopCounter
 from .memory import memory_summary, peak_memory, reset_peak
 from .phases import PHASE_PARENT, STEP_PHASES, current_phase, phase
 from .saved import SavedTensorsMeter
-from .timers import TIMING_ENV, StepTimer, timing_enabled_from_env
+from .timers import TIMING_ENV, StepTimer, profiler_ranges, timing_enabled_from_env
 
 __all__ = [
     "PHASE_PARENT",
@@ -21,5 +21,6 @@ __all__ = [
     "peak_memory",
     "reset_peak",
     "phase",
+    "profiler_ranges",
     "timing_enabled_from_env",
 ]

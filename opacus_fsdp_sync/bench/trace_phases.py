@@ -1,0 +1,213 @@
+"""Time per step phase and op class, read from a ``torch.profiler`` Chrome trace.
+
+The profiling suite's ``--op-profile`` step runs inside
+:func:`~opacus_fsdp_sync.profiling.timers.profiler_ranges`, so each timed phase is a range named
+``phase::<name>`` in its trace. On CUDA the trace holds those ranges twice, on the CPU and on the
+GPU timeline (``gpu_user_annotation``); this module sums the device's work (kernels, copies and
+fills) inside each GPU range. A CPU trace has no device events: there it sums the CPU ops' self
+time (each op's time less the ops it called) inside the CPU ranges.
+
+Each event goes to the innermost range holding it (``norms`` inside ``first_backward``), so the
+table's ``own`` column adds up without double counting and ``all`` is the phase with its inner
+phases, as the step timer reports it.
+
+Classes follow the op ledger's (:data:`.op_ledger.CLASSES`), read from kernel names: ``matmul``
+(cuBLAS/CUTLASS GEMMs, ``aten::mm`` and the like, the fused Triton kernels), ``copy`` (copies,
+casts, memcpy and memset), ``reduction``, ``collective`` (NCCL, gloo) and ``elementwise`` (the
+rest).
+
+Run: ``python -m opacus_fsdp_sync.bench.trace_phases TRACE.json[.gz] [--out FILE.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..profiling.timers import RANGE_PREFIX
+from .op_ledger import CLASSES
+
+logger = logging.getLogger(__name__)
+
+#: Trace categories of work on the device.
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+_COLLECTIVE = ("nccl", "c10d::", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather")
+_MATMUL = (
+    "gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "aten::mm", "aten::bmm",
+    "aten::addmm", "aten::baddbmm", "aten::addbmm", "_ghost_norm_kernel", "_per_sample_norm",
+    "_clipped_grad", "flash", "attention",
+)  # fmt: skip
+_COPY = ("copy", "memcpy", "memset", "fill", "aten::cat", "catarray", "aten::clone", "aten::to")
+_REDUCTION = ("reduce", "aten::sum", "aten::norm", "aten::mean", "aten::amax", "vecdot")
+
+
+def op_class(name: str, category: str = "kernel") -> str:
+    """The op ledger's class of one trace event, from its name (and category).
+
+    Args:
+        name: A kernel's or an op's name.
+        category: The event's trace category (``gpu_memcpy`` and ``gpu_memset`` are copies).
+    """
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "copy"
+    low = name.lower()
+    for cls, marks in (
+        ("collective", _COLLECTIVE),
+        ("matmul", _MATMUL),
+        ("copy", _COPY),
+        ("reduction", _REDUCTION),
+    ):
+        if any(mark in low for mark in marks):
+            return cls
+    return "elementwise"
+
+
+@dataclass
+class PhaseTime:
+    """One phase's time in microseconds: its own (innermost) by class, and its inner phases'."""
+
+    by_class: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    by_name: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    inner: float = 0.0
+
+    @property
+    def own(self) -> float:
+        """Time of the events whose innermost range is this phase."""
+        return sum(self.by_class.values())
+
+
+@dataclass(frozen=True)
+class _Span:
+    name: str
+    start: float
+    end: float
+
+
+def load(path: str | Path) -> list[dict]:
+    """The ``traceEvents`` of a Chrome trace (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _spans(events: list[dict], category: str) -> list[_Span]:
+    return [
+        _Span(e["name"][len(RANGE_PREFIX) :], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == category
+        and str(e.get("name", "")).startswith(RANGE_PREFIX)
+    ]
+
+
+def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
+    """CPU ops with their self time: duration less that of the ops nested in them (per thread)."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    out = []
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list] = []  # [event, end, children's time]
+        for e in thread_ops:
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            while stack and stack[-1][1] <= start:
+                done = stack.pop()
+                out.append((done[0], float(done[0]["dur"]) - done[2]))
+            if stack:
+                stack[-1][2] += float(e["dur"])
+            stack.append([e, end, 0.0])
+        out.extend((done[0], float(done[0]["dur"]) - done[2]) for done in stack)
+    return out
+
+
+def phase_times(events: list[dict]) -> tuple[dict[str, PhaseTime], str]:
+    """Time by phase (innermost range) and class, and whether it is device or CPU time.
+
+    Returns:
+        ``({phase: PhaseTime}, "device" | "cpu")``; events outside every range go to
+        ``"(outside)"``.
+
+    Raises:
+        ValueError: The trace has no ``phase::`` range (not a profiled step of the suite).
+    """
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    if work:
+        kind, spans = "device", _spans(events, "gpu_user_annotation")
+        timed = [(e, float(e["dur"])) for e in work]
+    else:
+        kind, spans = "cpu", _spans(events, "user_annotation")
+        timed = _self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
+    if not spans:
+        raise ValueError(
+            f"no '{RANGE_PREFIX}<name>' range in the trace: profile a step inside "
+            "opacus_fsdp_sync.profiling.profiler_ranges() (the suite's --op-profile does)"
+        )
+    spans.sort(key=lambda s: (s.start, -(s.end - s.start)))
+    times: dict[str, PhaseTime] = defaultdict(PhaseTime)
+    for e, dur in timed:
+        start = float(e["ts"])
+        holding = [s for s in spans if s.start <= start < s.end]
+        inner = min(holding, key=lambda s: s.end - s.start) if holding else None
+        name = inner.name if inner else "(outside)"
+        cls = op_class(str(e.get("name", "")), str(e.get("cat", "")))
+        times[name].by_class[cls] += dur
+        times[name].by_name[str(e.get("name", ""))] += dur
+        for outer in holding:
+            if outer is not inner and outer.name != name:
+                times[outer.name].inner += dur
+    return dict(times), kind
+
+
+def report(times: dict[str, PhaseTime], kind: str, title: str, top: int = 6) -> str:
+    """A Markdown table of ``times`` (milliseconds) and each phase's largest ops."""
+    cols = " | ".join(CLASSES)
+    lines = [
+        f"# {title}",
+        "",
+        f"{kind} time (ms) per phase; `own`: the phase less its inner phases, by class; "
+        "`all`: with them.",
+        "",
+        f"| phase | all | own | {cols} |",
+        "| --- | " + " | ".join(["---:"] * (2 + len(CLASSES))) + " |",
+    ]
+    order = sorted(times, key=lambda n: -(times[n].own + times[n].inner))
+    for name in order:
+        t = times[name]
+        by = " | ".join(f"{t.by_class.get(c, 0.0) / 1e3:.1f}" for c in CLASSES)
+        lines.append(f"| {name} | {(t.own + t.inner) / 1e3:.1f} | {t.own / 1e3:.1f} | {by} |")
+    total = sum(t.own for t in times.values())
+    lines += ["", f"Total: {total / 1e3:.1f} ms.", ""]
+    for name in order:
+        ranked = sorted(times[name].by_name.items(), key=lambda kv: -kv[1])[:top]
+        lines.append(f"- **{name}**: " + "; ".join(f"{n[:70]} {v / 1e3:.2f}" for n, v in ranked))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints (or writes) the phase table of each trace given."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", help="Chrome traces (.json or .json.gz)")
+    parser.add_argument("--out", help="write the Markdown here instead of printing it")
+    parser.add_argument("--top", type=int, default=6, help="largest ops listed per phase")
+    args = parser.parse_args(argv)
+    parts = []
+    for path in args.traces:
+        times, kind = phase_times(load(path))
+        parts.append(report(times, kind, Path(path).name, args.top))
+    text = "\n".join(parts)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
