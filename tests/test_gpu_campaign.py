@@ -45,6 +45,7 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
     assert "--accelerator-norms" in ledger
     assert "EXTRA_ARGS=--op-profile" in profile
     assert "MODES=no_dp ghost_fsdp_one_backward " in profile
+    assert "POISSON=0" in profile  # one fixed batch: a draw over it would not fit the card
     assert "bench.trace_phases" in phases and "no_dp_seq1024.trace.json" in phases
     assert "SEQ_LENGTHS=1024 " in profile
     assert "examples/hf_sft.py --fsdp" in hf_fsdp  # accelerate's FSDP2 plugin, GPUs only

@@ -46,24 +46,34 @@ def test_no_ranges_outside_profiler_ranges(tmp_path):
         trace_phases.phase_times(events)
 
 
-def _x(cat, name, ts, dur):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+def _x(cat, name, ts, dur, tid=7, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+            "args": args}  # fmt: skip
 
 
-def test_device_trace_sums_kernels_inside_gpu_ranges(tmp_path):
+def test_device_time_goes_to_the_phase_that_launched_it(tmp_path):
+    """Kernels are attributed by their launch (correlation id) to the CPU range holding it, on
+    any thread: the backward's launches come from autograd's thread, not the main one."""
+    kernels = [  # (name, launch time on the CPU, device time)
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 5, 10),  # forward
+        ("void at::native::vectorized_elementwise_kernel<4, mul>", 60, 5),  # first_backward
+        ("void at::native::reduce_kernel<512, 1>", 72, 4),  # norms (autograd thread)
+        ("_ghost_norm_kernel", 85, 8),  # norms, the second layer's range
+        ("ncclDevKernel_ReduceScatter_Sum_bf16", 200, 6),  # after every range
+    ]
     events = [
-        _x("gpu_user_annotation", "phase::first_backward", 100, 100),
-        _x("gpu_user_annotation", "phase::norms", 120, 30),
-        _x("gpu_user_annotation", "phase::norms", 160, 20),
-        _x("user_annotation", "phase::first_backward", 0, 50),  # the CPU side: ignored here
-        _x("kernel", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 100, 10),
-        _x("kernel", "void at::native::vectorized_elementwise_kernel<4, mul>", 111, 5),
-        _x("kernel", "void at::native::reduce_kernel<512, 1>", 125, 4),
-        _x("kernel", "_ghost_norm_kernel", 165, 8),
-        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 185, 2),
-        _x("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16", 300, 6),
+        _x("user_annotation", "phase::forward", 0, 50, tid=1),
+        _x("user_annotation", "phase::first_backward", 50, 100, tid=1),
+        _x("user_annotation", "phase::norms", 70, 10, tid=2),
+        _x("user_annotation", "phase::norms", 82, 8, tid=2),
+        _x("gpu_user_annotation", "phase::forward", 1000, 5000),  # GPU side: not used
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 1500, 2, correlation=99),
+        _x("cuda_runtime", "cudaMemcpyAsync", 61, 1, correlation=99),  # first_backward
         _x("cpu_op", "aten::mm", 1, 3),  # CPU ops are not device time
     ]
+    for i, (name, launch, dur) in enumerate(kernels):
+        events.append(_x("kernel", name, 1000 + 100 * i, dur, correlation=i))
+        events.append(_x("cuda_runtime", "cudaLaunchKernel", launch, 1, tid=2, correlation=i))
     path = tmp_path / "t.json.gz"
     import gzip
 
@@ -71,14 +81,16 @@ def test_device_trace_sums_kernels_inside_gpu_ranges(tmp_path):
         json.dump({"traceEvents": events}, f)
     times, kind = trace_phases.phase_times(trace_phases.load(path))
     assert kind == "device"
+    assert dict(times["forward"].by_class) == {"matmul": 10}
     fb, norms = times["first_backward"], times["norms"]
-    assert dict(fb.by_class) == {"matmul": 10, "elementwise": 5, "copy": 2}
+    assert dict(fb.by_class) == {"elementwise": 5, "copy": 2}
     assert dict(norms.by_class) == {"reduction": 4, "matmul": 8}
-    assert fb.inner == 12 and fb.own == 17
+    assert fb.inner == 12 and fb.own == 7
     assert dict(times["(outside)"].by_class) == {"collective": 6}
     out = tmp_path / "t.md"
     assert trace_phases.main([str(path), "--out", str(out)]) == 0
-    assert "| first_backward | 0.0 | 0.0 |" in out.read_text()  # milliseconds, one decimal
+    text = out.read_text()
+    assert "| first_backward | 0.0 | 0.0 |" in text and "_ghost_norm_kernel" in text
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ run_part() {  # one part; its status is its last command's
     profile)
       run "${NPROC_ARG[@]}" OUT="$OUT/op_profile" MODEL="$MODEL" BATCH_SIZE="$BATCH_SIZE" \
         SEQ_LENGTHS="$FIRST_SEQ" STEPS="$PROFILE_STEPS" WARMUP="$WARMUP" \
-        MODES="no_dp ghost_fsdp_one_backward" EXTRA_ARGS="--op-profile" \
+        MODES="no_dp ghost_fsdp_one_backward" EXTRA_ARGS="--op-profile" POISSON=0 \
         bash "$HERE/run_all_experiments.sh" &&
         run PYTHONUNBUFFERED=1 "$PYTHON" -m opacus_fsdp_sync.bench.trace_phases \
           "$OUT/op_profile/profiles/no_dp_seq${FIRST_SEQ}.trace.json" \

@@ -2,10 +2,12 @@
 
 The profiling suite's ``--op-profile`` step runs inside
 :func:`~opacus_fsdp_sync.profiling.timers.profiler_ranges`, so each timed phase is a range named
-``phase::<name>`` in its trace. On CUDA the trace holds those ranges twice, on the CPU and on the
-GPU timeline (``gpu_user_annotation``); this module sums the device's work (kernels, copies and
-fills) inside each GPU range. A CPU trace has no device events: there it sums the CPU ops' self
-time (each op's time less the ops it called) inside the CPU ranges.
+``phase::<name>`` in its trace. On CUDA this module sums the device's work (kernels, copies and
+fills) by the phase that launched it: the CPU range holding the launch (the runtime call with the
+same ``correlation`` id), whichever thread opened the range; the backward's kernels are launched
+from autograd's threads, outside the main thread's GPU annotations, which hold only its own
+launches. A CPU trace has no device events: there it sums the CPU ops' self time (each op's time
+less the ops it called) inside the CPU ranges.
 
 Each event goes to the innermost range holding it (``norms`` inside ``first_backward``), so the
 table's ``own`` column adds up without double counting and ``all`` is the phase with its inner
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: Trace categories of work on the device.
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+#: Trace categories of the host calls that launch it (matched by ``args.correlation``).
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 _COLLECTIVE = ("nccl", "c10d::", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather")
 _MATMUL = (
@@ -139,8 +143,16 @@ def phase_times(events: list[dict]) -> tuple[dict[str, PhaseTime], str]:
     """
     work = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
     if work:
-        kind, spans = "device", _spans(events, "gpu_user_annotation")
-        timed = [(e, float(e["dur"])) for e in work]
+        kind, spans = "device", _spans(events, "user_annotation")
+        launched = {
+            e["args"]["correlation"]: float(e["ts"])
+            for e in events
+            if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+        }
+        timed = [
+            (dict(e, ts=launched.get(e.get("args", {}).get("correlation"), -1.0)), float(e["dur"]))
+            for e in work
+        ]
     else:
         kind, spans = "cpu", _spans(events, "user_annotation")
         timed = _self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
