@@ -77,6 +77,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         assert r["environment"]["warmup_steps_dropped"] == 1
         assert set(r["step_ms"]) == {"median", "min", "max"}
         assert r["tokens_per_s"] > 0 and r["peak_memory"]["bytes"] > 0
+        assert r["allocator_per_step"] == {}  # CUDA's caching-allocator churn; none on CPU
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
         # Global batch per measured step: summed over both ranks (rank 0's local is part of it).
         sizes = r["measured_global_batch_sizes"]

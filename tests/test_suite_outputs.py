@@ -209,3 +209,19 @@ def test_committed_h200_poisson_run_is_redrawn_per_example(tmp_path):
     assert table["ghost_fsdp_one_backward_untuned"]["vs_no_dp"] == "1.496"
     assert table["ghost_fsdp"]["vs_no_dp"] == "2.182"
     assert "Reconstructed (results written before" in (tmp_path / "summary.md").read_text()
+
+
+def test_allocator_counts_read_the_cuda_counters(monkeypatch):
+    """The suite's allocator churn per step comes from these counters (none on CPU)."""
+    import torch
+
+    from opacus_fsdp_sync.profiling import allocator_counts
+
+    assert allocator_counts(torch.device("cpu")) == {}
+    stats = {"num_alloc_retries": 2, "num_device_alloc": 40, "num_device_free": 33, "other": 9}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert allocator_counts(torch.device("cuda", 0)) == {
+        "num_alloc_retries": 2,
+        "num_device_alloc": 40,
+        "num_device_free": 33,
+    }

@@ -39,6 +39,7 @@ from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
     SavedTensorsMeter,
     StepTimer,
+    allocator_counts,
     peak_memory,
     phase,
     profiler_ranges,
@@ -247,6 +248,9 @@ def run(cfg: ExperimentConfig) -> dict:
         counted = i >= cfg.warmup + cfg.steps
         if i == cfg.warmup:
             reset_peak(device)
+            alloc_before = allocator_counts(device)
+        if i == cfg.warmup + cfg.steps:  # the measured steps are over (the profiled one too)
+            alloc_after = allocator_counts(device)
         if counted:
             counter.__enter__()
         profiler = None
@@ -298,6 +302,17 @@ def run(cfg: ExperimentConfig) -> dict:
         if rank == 0:
             tag = "measured" if measured else ("counted" if counted else "warm-up")
             print(f"  step {i + 1}/{total} ({tag}): {timings['step']:.1f} ms", flush=True)
+    allocator = {
+        name: (alloc_after[name] - alloc_before[name]) / cfg.steps for name in alloc_before
+    }
+    if allocator and rank == 0:
+        logger.info(
+            "[Ghost] CUDA caching allocator per measured step: %.1f retries (each frees the "
+            "cache and synchronises), %.1f cudaMalloc, %.1f cudaFree",
+            allocator["num_alloc_retries"],
+            allocator["num_device_alloc"],
+            allocator["num_device_free"],
+        )
     step_ms = per_phase.pop("step")
     comm = {
         p: {
@@ -336,6 +351,7 @@ def run(cfg: ExperimentConfig) -> dict:
         "measured_global_batch_sizes": global_sizes,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
+        "allocator_per_step": allocator,
         "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
         "norm_tuning": _norm_tuning(model),
         "autograd_saved_bytes": saved.bytes,

@@ -2,7 +2,7 @@
 
 from .comm_counter import CollectiveCounter, CollectiveStats
 from .flops import PhaseFlopCounter
-from .memory import memory_summary, peak_memory, reset_peak
+from .memory import allocator_counts, memory_summary, peak_memory, reset_peak
 from .phases import PHASE_PARENT, STEP_PHASES, current_phase, phase
 from .saved import SavedTensorsMeter
 from .timers import TIMING_ENV, StepTimer, profiler_ranges, timing_enabled_from_env
@@ -16,6 +16,7 @@ __all__ = [
     "PhaseFlopCounter",
     "SavedTensorsMeter",
     "StepTimer",
+    "allocator_counts",
     "current_phase",
     "memory_summary",
     "peak_memory",

@@ -31,6 +31,24 @@ def peak_memory(device: torch.device) -> dict[str, float | str]:
     return {"kind": "cpu_peak_rss", "bytes": float(rss * scale)}
 
 
+#: Cumulative counters of the CUDA caching allocator that :func:`allocator_counts` reads: failed
+#: allocations that freed the cache and retried (each ``cudaFree`` synchronises the device),
+#: ``cudaMalloc`` and ``cudaFree`` calls.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's :data:`ALLOCATOR_COUNTERS` so far on CUDA; ``{}`` elsewhere.
+
+    Two readings around some steps give their allocator churn: a steady step makes no
+    ``cudaMalloc`` or ``cudaFree`` and no retry.
+    """
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+
+
 def memory_summary(device: torch.device) -> dict[str, float | str]:
     """Allocated, peak and reserved bytes on CUDA; current and peak RSS on CPU."""
     if device.type == "cuda":
