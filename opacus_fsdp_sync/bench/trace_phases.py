@@ -43,7 +43,7 @@ LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 _COLLECTIVE = ("nccl", "c10d::", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather")
 _MATMUL = (
-    "gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "aten::mm", "aten::bmm",
+    "gemm", "gemv", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "aten::mm", "aten::bmm",
     "aten::addmm", "aten::baddbmm", "aten::addbmm", "_ghost_norm_kernel", "_per_sample_norm",
     "_clipped_grad", "flash", "attention",
 )  # fmt: skip
