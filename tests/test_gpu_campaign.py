@@ -65,6 +65,15 @@ def test_default_output_folder_names_the_hardware(tmp_path):
     assert "-campaign/suite" in proc.stdout and "results/cpu-" in proc.stdout
 
 
+def _smoke_modes() -> list[str]:
+    """The campaign's rows; the fused-kernel row only where triton imports (it opts in, and
+    ``fused_kernels=True`` is refused without triton)."""
+    from opacus_fsdp_sync.layers.kernels import triton_available
+
+    modes = ["no_dp", "ghost_fsdp", "ghost_fsdp_one_backward", "ghost_fsdp_one_backward_untuned"]
+    return modes + ["ghost_fsdp_one_backward_fused_kernels"] * triton_available()
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
@@ -78,19 +87,14 @@ def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
         NPROC="1",
         PROFILE_STEPS="1",
         PARTS="suite gram ledger profile",
+        MODES=" ".join(_smoke_modes()),
         GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1",
         LEDGER_ARGS="--preset tiny --blocks 1 --batch-size 2 --seq-length 32",
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
     out = tmp_path / "campaign"
-    for mode in (
-        "no_dp",
-        "ghost_fsdp",
-        "ghost_fsdp_one_backward",
-        "ghost_fsdp_one_backward_untuned",
-        "ghost_fsdp_one_backward_fused_kernels",
-    ):
+    for mode in _smoke_modes():
         assert json.loads((out / "suite" / f"{mode}_seq32.json").read_text())["status"] == "ok"
     assert (out / "gram_blocks" / "gram_blocks.md").exists()
     assert list((out / "ledger").glob("*.md"))

@@ -134,7 +134,7 @@ def test_automatic_choice_is_the_torch_path(monkeypatch):
     # None is the torch path on CUDA too (measured faster on an H100), and under the
     # interpreter, where only True launches the kernels
     assert availability.describe(None, torch.device("cuda")) == availability.AUTOMATIC
-    assert "measured faster" in availability.AUTOMATIC
+    assert "fused_kernels=True" in availability.AUTOMATIC
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not availability.use_fused(None, a, g)
 

@@ -189,3 +189,32 @@ def test_cuda_draws_reuse_one_side_stream_per_device(monkeypatch):
     other = noise_prefetch.side_stream(torch.device("cuda", 1))
     assert other is not first
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_draw_ahead_on_cuda_takes_the_side_stream(monkeypatch):
+    """DrawAhead draws on side_stream's stream (not a new one per draw), waits on the caller's
+    stream and hands the result over through an event."""
+    import contextlib
+
+    from opacus_fsdp_sync.optimizers import noise_prefetch
+
+    calls = []
+
+    class FakeStream:
+        def wait_stream(self, other):
+            calls.append(("wait_stream", other))
+
+        def record_event(self):
+            calls.append("record_event")
+            return object()
+
+    side = FakeStream()
+    monkeypatch.setattr(noise_prefetch, "side_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a new stream"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "main")
+    monkeypatch.setattr(
+        torch.cuda, "stream", lambda s: calls.append(("in", s)) or contextlib.nullcontext()
+    )
+    for _ in range(2):
+        noise_prefetch.DrawAhead(lambda: [torch.zeros(2)], torch.device("cuda", 0))
+    assert calls == [("wait_stream", "main"), ("in", side), "record_event"] * 2

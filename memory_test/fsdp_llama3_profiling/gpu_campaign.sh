@@ -99,7 +99,7 @@ echo "GPU campaign on: $HW -> $OUT (parts: $PARTS)"
 declare -A SECONDS_OF=()
 FAILED=()
 run_part() {  # one part; its status is its last command's
-  local part=$1
+  local part=$1 batch
   case "$part" in
     suite|poisson)
       batch=$BATCH_SIZE; [ "$part" = poisson ] && batch=$POISSON_BATCH_SIZE
@@ -165,7 +165,7 @@ PY
   echo "Settings: MODEL=$MODEL BATCH_SIZE=$BATCH_SIZE POISSON_BATCH_SIZE=$POISSON_BATCH_SIZE SEQ_LENGTHS=$SEQ_LENGTHS STEPS=$STEPS WARMUP=$WARMUP; gram_blocks.py $GRAM_ARGS"
   echo
   for part in $PARTS; do
-    status=""; [[ " ${FAILED[*]} " == *" $part "* ]] && status=" (FAILED: see its logs)"
+    status=""; [[ " ${FAILED[*]+"${FAILED[*]}"} " == *" $part "* ]] && status=" (FAILED: see its logs)"
     echo "- $part: ${SECONDS_OF[$part]} s$status"
   done
   echo
@@ -179,6 +179,6 @@ PY
 } >"$OUT/campaign.md"
 echo "campaign summary: $OUT/campaign.md"
 if [ "${#FAILED[@]}" -gt 0 ]; then
-  echo "failed parts: ${FAILED[*]}" >&2
+  echo "failed parts: ${FAILED[*]+"${FAILED[*]}"}" >&2
   exit 1
 fi

@@ -26,15 +26,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..profiling.timers import RANGE_PREFIX
 from .op_ledger import CLASSES
-
-logger = logging.getLogger(__name__)
 
 #: Trace categories of work on the device.
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -47,7 +44,7 @@ _MATMUL = (
     "aten::addmm", "aten::baddbmm", "aten::addbmm", "_ghost_norm_kernel", "_per_sample_norm",
     "_clipped_grad", "flash", "attention",
 )  # fmt: skip
-_COPY = ("copy", "memcpy", "memset", "fill", "aten::cat", "catarray", "aten::clone", "aten::to")
+_COPY = ("copy", "memcpy", "memset", "fill", "aten::cat", "catarray", "aten::clone")
 _REDUCTION = ("reduce", "aten::sum", "aten::norm", "aten::mean", "aten::amax", "vecdot")
 
 
@@ -94,7 +91,14 @@ class _Span:
 
 
 def load(path: str | Path) -> list[dict]:
-    """The ``traceEvents`` of a Chrome trace (``.json`` or ``.json.gz``)."""
+    """The events of a Chrome trace.
+
+    Args:
+        path: A ``torch.profiler`` trace, ``.json`` or gzipped ``.json.gz``.
+
+    Returns:
+        Its ``traceEvents``.
+    """
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         return json.load(f)["traceEvents"]
@@ -133,6 +137,12 @@ def _self_times(ops: list[dict]) -> list[tuple[dict, float]]:
 
 def phase_times(events: list[dict]) -> tuple[dict[str, PhaseTime], str]:
     """Time by phase (innermost range) and class, and whether it is device or CPU time.
+
+    CPU time adds up the threads that ran at once (a noise-drawing thread's ops land in the
+    phase the main thread was in), so on CPU it is op time, not wall time.
+
+    Args:
+        events: A trace's events (:func:`load`).
 
     Returns:
         ``({phase: PhaseTime}, "device" | "cpu")``; events outside every range go to
@@ -178,13 +188,24 @@ def phase_times(events: list[dict]) -> tuple[dict[str, PhaseTime], str]:
 
 
 def report(times: dict[str, PhaseTime], kind: str, title: str, top: int = 6) -> str:
-    """A Markdown table of ``times`` (milliseconds) and each phase's largest ops."""
+    """A Markdown table of ``times`` (milliseconds) and each phase's largest ops.
+
+    Args:
+        times: :func:`phase_times`'s first result.
+        kind: Its second (``"device"`` or ``"cpu"``).
+        title: The table's heading.
+        top: How many of each phase's largest ops to list.
+
+    Returns:
+        The Markdown text.
+    """
     cols = " | ".join(CLASSES)
     lines = [
         f"# {title}",
         "",
         f"{kind} time (ms) per phase; `own`: the phase less its inner phases, by class; "
-        "`all`: with them.",
+        "`all`: with them."
+        + (" CPU time sums concurrent threads: op time, not wall time." if kind == "cpu" else ""),
         "",
         f"| phase | all | own | {cols} |",
         "| --- | " + " | ".join(["---:"] * (2 + len(CLASSES))) + " |",

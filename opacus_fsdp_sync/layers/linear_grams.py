@@ -177,8 +177,8 @@ def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     :data:`PRODUCT_CONTRACTION`'s for their device. Off it, a Gram block (``(N, w, K)``, more
     than one row) is contracted row by row (:func:`_row_dots`): one ``1 x (w K)`` by
     ``(w K) x 1`` product per sample ran as a matrix-vector kernel with too few blocks for the
-    GPU, 158 us for 8 x 512 x 512 fp32 pairs on an H100 (about 100 GB/s), where the same bytes in
-    ``N w`` rows took 12 us (``results/gpu-h100-campaign/torch-path/``).
+    GPU: 158 us a call on an H100 (about 100 GB/s for a Gram block of 512 rows at batch 8),
+    where row products of the same size took 12 us (``results/ledger/row-dots/README.md``).
     """
     n, k = a.shape[0], math.prod(a.shape[1:])  # k explicit: an empty batch has no -1 to infer
     if _by_product(a):

@@ -109,6 +109,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     retried. On one H100 the campaign's profiled step spent 75 ms in 32 ``cudaFree`` and 26 ms in
     one ``cudaMalloc`` there, at the noise buffer's allocation
     (``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/torch-path/``).
+
+    Args:
+        device: A CUDA device (without an index: the current one).
+
+    Returns:
+        The device's side stream.
     """
     device = torch.device(device)
     if device.index is None:

@@ -38,10 +38,16 @@ ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free"
 
 
 def allocator_counts(device: torch.device) -> dict[str, int]:
-    """The caching allocator's :data:`ALLOCATOR_COUNTERS` so far on CUDA; ``{}`` elsewhere.
+    """The caching allocator's :data:`ALLOCATOR_COUNTERS` so far.
 
     Two readings around some steps give their allocator churn: a steady step makes no
     ``cudaMalloc`` or ``cudaFree`` and no retry.
+
+    Args:
+        device: The device whose allocator is read.
+
+    Returns:
+        ``{counter: count}`` on CUDA; ``{}`` elsewhere.
     """
     if device.type != "cuda":
         return {}

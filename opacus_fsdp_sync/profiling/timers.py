@@ -33,7 +33,11 @@ _ranges_on = False
 
 @contextlib.contextmanager
 def profiler_ranges() -> Iterator[None]:
-    """Within the block, every timed phase is also a profiler range (``phase::<name>``)."""
+    """Within the block, every timed phase is also a profiler range (``phase::<name>``).
+
+    Yields:
+        Nothing; the ranges close with the block (nested blocks keep them on).
+    """
     global _ranges_on
     previous, _ranges_on = _ranges_on, True
     try:

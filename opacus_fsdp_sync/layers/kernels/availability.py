@@ -18,13 +18,13 @@ logger = logging.getLogger(__name__)
 #: Dtypes the kernels take (others, fp64 included, keep the torch path).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: Why ``fused_kernels=None`` takes the torch path on every device: the GPU campaign's A/B
-#: (``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/fused-by-default/``;
-#: Llama-3.2-1B shape, batch 8, seq 1024,
-#: bf16, one H100) measured the fused kernels slower in both places they run.
+#: The log phrase of ``fused_kernels=None``, the torch path on every device: the GPU campaign's
+#: A/B on one H100 (Llama-3.2-1B shape, batch 8, seq 1024, bf16;
+#: ``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/fused-by-default/``) measured
+#: the fused kernels slower in both places they run (``docs/kernels.md``).
 AUTOMATIC = (
-    "torch path (fused_kernels=None: measured faster than the fused kernels on an H100, "
-    "step 385.5 against 413.0 ms; fused_kernels=True opts in)"
+    "torch path (fused_kernels=None; the fused kernels, measured slower on an H100, "
+    "are opt-in with fused_kernels=True)"
 )
 
 
