@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "memory_test/fsdp_llama3_profiling/gpu_campaign.sh"
+TINY_LEDGER = "--preset tiny --blocks 1 --batch-size 2 --seq-length 32"  # a few seconds on CPU
 
 
 def _run(tmp_path, **env):
@@ -89,7 +90,7 @@ def test_tiny_cpu_smoke_run_writes_every_part(tmp_path):
         PARTS="suite gram ledger profile",
         MODES=" ".join(_smoke_modes()),
         GRAM_ARGS="--preset tiny --seq-lengths 64 --blocks 0 32 --repeats 1",
-        LEDGER_ARGS="--preset tiny --blocks 1 --batch-size 2 --seq-length 32",
+        LEDGER_ARGS=TINY_LEDGER,
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
@@ -146,7 +147,7 @@ def test_a_failed_part_is_reported_and_the_next_part_runs(tmp_path):
         tmp_path,
         PARTS="gram ledger",
         GRAM_ARGS="--no-such-option",
-        LEDGER_ARGS="--preset tiny --blocks 1 --batch-size 2 --seq-length 32",
+        LEDGER_ARGS=TINY_LEDGER,
     )
     assert proc.returncode == 1
     assert "part gram FAILED" in proc.stdout and "failed parts: gram" in proc.stderr
