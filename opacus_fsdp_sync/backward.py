@@ -25,6 +25,7 @@ from .hooks.ghost import step_hooks
 from .hooks.kept import kept_bytes
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import DPOptimizerOps, OpacusOptimizerOps
+from .profiling.memory import AllocatorWatch
 from .profiling.phases import phase
 from .profiling.timers import StepTimer
 
@@ -58,6 +59,8 @@ class GhostStepContext:
     memory: MemoryBudget | None = None
     """Checks what one backward will keep against ``one_backward_memory_budget`` before each
     first pass (:mod:`.one_backward.memory`); None: no check."""
+    allocator_watch: AllocatorWatch | None = None
+    """On CUDA: says when the caching allocator retried allocations since the last step."""
     fallbacks: set[str] = field(default_factory=set)
     """Fallbacks already logged (each is logged once, as a warning)."""
 
@@ -163,6 +166,8 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         hooks = step_hooks(self.module)
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
         self.context.timer.flush()  # previous step's CUDA events, if any were left pending
+        if self.context.allocator_watch is not None:
+            self.context.allocator_watch.check()
         self.context.optimizer_ops.prefetch_noise()  # drawn while this backward runs
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)

@@ -29,6 +29,7 @@ from .layers.linear_grams import describe_block
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
+from .profiling.memory import AllocatorWatch
 from .profiling.timers import StepTimer, timing_enabled_from_env
 from .randomness import DPRandomness
 from .sampling import SharedPoissonSampler
@@ -329,6 +330,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
             handoff=handoff,
             fused_kernels=opts.fused_kernels,
             optimizer_ops=optimizer_ops(optimizer),
+            allocator_watch=AllocatorWatch(device) if device.type == "cuda" else None,
             memory=None
             if handoff is None
             else MemoryBudget(

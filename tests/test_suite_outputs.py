@@ -225,3 +225,30 @@ def test_allocator_counts_read_the_cuda_counters(monkeypatch):
         "num_device_alloc": 40,
         "num_device_free": 33,
     }
+
+
+def test_allocator_watch_warns_once_then_logs_at_debug(monkeypatch, caplog):
+    """The engine's per-step check (CUDA only) of the caching allocator's retries."""
+    import logging
+
+    import torch
+
+    from opacus_fsdp_sync.profiling import AllocatorWatch
+
+    counts = iter(
+        [
+            {"num_alloc_retries": 1, "num_device_alloc": 10, "num_device_free": 0},
+            {"num_alloc_retries": 1, "num_device_alloc": 10, "num_device_free": 0},
+            {"num_alloc_retries": 3, "num_device_alloc": 12, "num_device_free": 32},
+            {"num_alloc_retries": 4, "num_device_alloc": 13, "num_device_free": 40},
+        ]
+    )
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: next(counts))
+    watch = AllocatorWatch(torch.device("cuda", 0))
+    with caplog.at_level(logging.DEBUG, logger="opacus_fsdp_sync"):
+        assert [watch.check() for _ in range(4)] == [0, 0, 2, 1]  # the first reading: a baseline
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "allocator" in r.getMessage()]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.DEBUG]
+    assert "retried 2 allocation(s)" in lines[0][1] and "32 cudaFree, 2 cudaMalloc" in lines[0][1]
+    assert watch.retries == 3
+    assert AllocatorWatch(torch.device("cpu")).check() == 0  # no counters off CUDA

@@ -2,12 +2,13 @@
 
 from .comm_counter import CollectiveCounter, CollectiveStats
 from .flops import PhaseFlopCounter
-from .memory import allocator_counts, memory_summary, peak_memory, reset_peak
+from .memory import AllocatorWatch, allocator_counts, memory_summary, peak_memory, reset_peak
 from .phases import PHASE_PARENT, STEP_PHASES, current_phase, phase
 from .saved import SavedTensorsMeter
 from .timers import TIMING_ENV, StepTimer, profiler_ranges, timing_enabled_from_env
 
 __all__ = [
+    "AllocatorWatch",
     "PHASE_PARENT",
     "STEP_PHASES",
     "TIMING_ENV",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import sys
+from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger("opacus_fsdp_sync")
 
 
 def reset_peak(device: torch.device) -> None:
@@ -53,6 +57,53 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+
+
+@dataclass
+class AllocatorWatch:
+    """Says when the CUDA caching allocator retried allocations between two private steps.
+
+    A retry frees every cached block (``cudaFree`` synchronises the device) and allocates
+    again: a step near the card's capacity can lose tens of milliseconds to it without failing.
+    The engine calls :meth:`check` at the start of each private backward on CUDA; the first
+    retries seen are a warning, later ones debug lines.
+
+    Attributes:
+        device: The CUDA device watched.
+        retries: Retries seen so far, over every checked step.
+    """
+
+    device: torch.device
+    retries: int = 0
+    _last: dict[str, int] | None = field(default=None, repr=False)
+
+    def check(self) -> int:
+        """Reads the counters; returns the retries since the last check (0 at the first).
+
+        Returns:
+            The number of allocations retried since the previous call.
+        """
+        now = allocator_counts(self.device)
+        last, self._last = self._last, now
+        if not now or last is None:
+            return 0
+        new = now["num_alloc_retries"] - last["num_alloc_retries"]
+        if new > 0:
+            level = logging.WARNING if self.retries == 0 else logging.DEBUG
+            self.retries += new
+            logger.log(
+                level,
+                "[Ghost] the CUDA caching allocator retried %d allocation(s) since the last "
+                "step (%d cudaFree, %d cudaMalloc): each retry frees every cached block and "
+                "synchronises the device. Near the card's capacity, try "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller physical batch "
+                "(BatchMemoryManager)%s",
+                new,
+                now["num_device_free"] - last["num_device_free"],
+                now["num_device_alloc"] - last["num_device_alloc"],
+                "" if level == logging.DEBUG else " (logged once; later retries at debug level)",
+            )
+        return new
 
 
 def memory_summary(device: torch.device) -> dict[str, float | str]:
