@@ -151,30 +151,30 @@ def phase_times(events: list[dict]) -> tuple[dict[str, PhaseTime], str]:
     Raises:
         ValueError: The trace has no ``phase::`` range (not a profiled step of the suite).
     """
+    spans = _spans(events, "user_annotation")
     work = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
-    if work:
-        kind, spans = "device", _spans(events, "user_annotation")
+    if work:  # (event, when it was launched, its device time)
+        kind = "device"
         launched = {
             e["args"]["correlation"]: float(e["ts"])
             for e in events
             if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
         }
         timed = [
-            (dict(e, ts=launched.get(e.get("args", {}).get("correlation"), -1.0)), float(e["dur"]))
+            (e, launched.get(e.get("args", {}).get("correlation"), -1.0), float(e["dur"]))
             for e in work
         ]
     else:
-        kind, spans = "cpu", _spans(events, "user_annotation")
-        timed = _self_times([e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"])
+        kind = "cpu"
+        ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+        timed = [(e, float(e["ts"]), dur) for e, dur in _self_times(ops)]
     if not spans:
         raise ValueError(
             f"no '{RANGE_PREFIX}<name>' range in the trace: profile a step inside "
             "opacus_fsdp_sync.profiling.profiler_ranges() (the suite's --op-profile does)"
         )
-    spans.sort(key=lambda s: (s.start, -(s.end - s.start)))
     times: dict[str, PhaseTime] = defaultdict(PhaseTime)
-    for e, dur in timed:
-        start = float(e["ts"])
+    for e, start, dur in timed:
         holding = [s for s in spans if s.start <= start < s.end]
         inner = min(holding, key=lambda s: s.end - s.start) if holding else None
         name = inner.name if inner else "(outside)"

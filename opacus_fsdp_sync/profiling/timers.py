@@ -3,9 +3,9 @@
 On CUDA the events are only recorded inside the step; they are read (which waits for them) when
 the timings are asked for, so timing adds no synchronisation inside a step. Inside
 :func:`profiler_ranges` (a profiled step) each timed phase is also a
-``torch.profiler.record_function`` range named ``phase::<name>`` (:data:`RANGE_PREFIX`), which a
-profiler's trace places on the CPU and, on CUDA, on the GPU timeline
-(:mod:`opacus_fsdp_sync.bench.trace_phases` reads it). Outside, no range is opened: one costs
+``torch.profiler.record_function`` range named ``phase::<name>`` (:data:`RANGE_PREFIX`) in the
+profiler's trace, by which :mod:`opacus_fsdp_sync.bench.trace_phases` attributes each op and each
+kernel launch to its phase. Outside, no range is opened: one costs
 about 5 us on a CPU, and the ``norms`` phase opens once per layer.
 """
 
