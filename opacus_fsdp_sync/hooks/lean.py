@@ -196,16 +196,17 @@ class LeanLaneMixin:
             if not state["activations"]:
                 del state["max_batch_len"]
             if job is None:
+                # the sampler read the raw gradient: for a mean loss its norms scale with the
+                # batch, multiplied as the chain's _scale_norms multiplies them (the list was
+                # reset at the start of the backward, so only these entries are set)
+                scale = batch if self._output_hook_kwargs["loss_reduction"] == "mean" else 1
                 stored = state["norm_sample"]
                 for i, ns in enumerate(ns for p, ns in norms.items() if p.requires_grad):
-                    stored[i] = ns
+                    stored[i] = ns if scale == 1 else ns * scale
         if job is not None:
             self._deferred.append((module, sampler, job, entry, batch, len(self._kept)))
             self._kept.append(None)  # the entry's place, filled as _keep would fill it
             return
-        if self._output_hook_kwargs["loss_reduction"] == "mean":
-            # the sampler read the raw gradient: its norms scale with the batch (as the chain's)
-            self._scale_norms(module, batch)
         self._keep(module, entry)
 
     def finish_norms(self) -> None:

@@ -78,7 +78,9 @@ class StepNormsMixin:
         """Forgets every layer's per-sample norms (the start of a backward)."""
         if self._norms_per_module:
             for m in self._step_layers:
-                m.norm_sample = [None] * self._n_trainable[id(m)]
+                # a plain attribute (not a parameter, buffer or layer): set without
+                # nn.Module.__setattr__'s checks, once per layer and step
+                m.__dict__["norm_sample"] = [None] * self._n_trainable[id(m)]
         else:
             for p in self.trainable_parameters:
                 p._norm_sample = None

@@ -197,7 +197,7 @@ def rms_norm_sample(layer: nn.Module, activations, backprops, sequence_group=Non
     # sequence parallelism: this rank's tokens only; the sum over tp comes before the norm
     g = sum_sequence_shards(g, sequence_group).float()
     keep_per_sample(layer, {"weight": g})  # fp32 (N x H): its weighted sum is one matvec
-    return {layer.weight: g.norm(2, dim=-1)}
+    return {layer.weight: torch.linalg.vector_norm(g, 2, dim=-1)}  # Tensor.norm, less Python
 
 
 #: The hooks accept this sampler on sequence-sharded inputs (it sums them over tp).

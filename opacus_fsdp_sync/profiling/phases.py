@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 _CURRENT_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar(
     "opacus_fsdp_sync_phase", default="other"
@@ -45,15 +44,31 @@ def current_phase() -> str:
     return _CURRENT_PHASE.get()
 
 
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+def phase(name: str) -> contextlib.AbstractContextManager:
     """Marks the code in the ``with`` block as belonging to phase ``name``.
 
     Args:
         name: Phase name, e.g. one of :data:`STEP_PHASES`.
+
+    Returns:
+        A context manager (a plain object, not a generator: the ``norms`` phase is announced
+        once per layer and step).
     """
-    token = _CURRENT_PHASE.set(name)
-    try:
-        yield
-    finally:
-        _CURRENT_PHASE.reset(token)
+    return _Phase(name)
+
+
+class _Phase:
+    """What :func:`phase` returns: sets the current phase, and restores the previous one."""
+
+    __slots__ = ("_name", "_token")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._token = None
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT_PHASE.set(self._name)
+
+    def __exit__(self, *exc) -> bool:
+        _CURRENT_PHASE.reset(self._token)
+        return False

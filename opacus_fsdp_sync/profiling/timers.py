@@ -82,8 +82,7 @@ class StepTimer:
         """``"cuda_event"`` or ``"perf_counter"``: the clock the timings come from."""
         return "cuda_event" if self.device.type == "cuda" else "perf_counter"
 
-    @contextlib.contextmanager
-    def phase(self, name: str, *, excluded: bool = False) -> Iterator[None]:
+    def phase(self, name: str, *, excluded: bool = False) -> contextlib.AbstractContextManager:
         """Times the ``with`` block as phase ``name`` of the current step.
 
         Args:
@@ -91,40 +90,14 @@ class StepTimer:
             excluded: Report the phase on its own and deduct its time from every phase of this
                 timer open around it (one-off work such as tuning, kept out of the step's
                 timings).
+
+        Returns:
+            A context manager (a :class:`_Span`; a plain object, not a generator, because the
+            ``norms`` phase opens once per layer and step).
         """
         if not self.enabled:
-            yield
-            return
-        if not _ranges_on:
-            with self._timed(name, excluded):
-                yield
-            return
-        with torch.profiler.record_function(RANGE_PREFIX + name), self._timed(name, excluded):
-            yield
-
-    @contextlib.contextmanager
-    def _timed(self, name: str, excluded: bool) -> Iterator[None]:
-        """The clock reads of :meth:`phase`."""
-        within = tuple(self._open) if excluded else ()
-        self._open.append(name)
-        if self.clock == "cuda_event":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            pending = _Pending(name, start, within=within)
-            try:
-                yield
-            finally:
-                self._open.pop()
-                pending.end = torch.cuda.Event(enable_timing=True)
-                pending.end.record()
-                self._pending.append(pending)
-        else:
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._open.pop()
-                self._pending.append(_Pending(name, start, time.perf_counter(), within))
+            return contextlib.nullcontext()
+        return _Span(self, name, excluded)
 
     def end_step(self) -> None:
         """Closes the step: on CPU resolves and logs at once; on CUDA defers to :meth:`flush`."""
@@ -164,3 +137,47 @@ class StepTimer:
     def last_step(self) -> dict[str, float]:
         """Milliseconds per phase of the last step (resolves pending CUDA events first)."""
         return self.flush()
+
+
+class _Span:
+    """One timed phase of a :class:`StepTimer` (what :meth:`StepTimer.phase` returns).
+
+    Entered, it opens the phase's profiler range where :func:`profiler_ranges` asks for them,
+    then reads the clock (records a CUDA event); left, it reads the clock and closes the range.
+    """
+
+    __slots__ = ("_timer", "_name", "_excluded", "_range", "_pending")
+
+    def __init__(self, timer: StepTimer, name: str, excluded: bool) -> None:
+        self._timer = timer
+        self._name = name
+        self._excluded = excluded
+        self._range = None
+        self._pending: _Pending | None = None
+
+    def __enter__(self) -> None:
+        timer = self._timer
+        if _ranges_on:
+            self._range = torch.profiler.record_function(RANGE_PREFIX + self._name)
+            self._range.__enter__()
+        within = tuple(timer._open) if self._excluded else ()
+        timer._open.append(self._name)
+        if timer.clock == "cuda_event":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        self._pending = _Pending(self._name, start, within=within)
+
+    def __exit__(self, *exc) -> bool:
+        timer, pending = self._timer, self._pending
+        timer._open.pop()
+        if timer.clock == "cuda_event":
+            pending.end = torch.cuda.Event(enable_timing=True)
+            pending.end.record()
+        else:
+            pending.end = time.perf_counter()
+        timer._pending.append(pending)
+        if self._range is not None:
+            self._range.__exit__(*exc)
+        return False

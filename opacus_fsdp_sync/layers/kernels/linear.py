@@ -31,6 +31,8 @@ GHOST_BLOCK_INTERPRETER = 16
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor:  # the common case, without the import and the subclass check
+        return t
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -83,6 +85,8 @@ def linear_sq_norms(
     Returns:
         None where the kernels do not apply here (the torch path runs).
     """
+    if option is not True:  # use_fused's first test, before any conversion
+        return None
     a, g = _local(a), _local(g)
     if a.dim() != 3 or g.dim() != 3 or not use_fused(option, a, g):
         return None
