@@ -103,8 +103,9 @@ def take_captured(module: nn.Module) -> tuple[list, int]:
     state = module.__dict__
     acts = state["activations"]
     n = state.get("max_batch_len")
-    if n is None:
-        n = state["max_batch_len"] = max(entry[-1].shape[0] for entry in acts)
+    if n is None:  # one captured call is the common case: no generator for it
+        n = acts[0][-1].shape[0] if len(acts) == 1 else max(e[-1].shape[0] for e in acts)
+        state["max_batch_len"] = n
     state["_forward_counter"] -= 1
     return acts.pop(), n
 

@@ -168,9 +168,12 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         self.context.timer.flush()  # previous step's CUDA events, if any were left pending
         if self.context.allocator_watch is not None:
             self.context.allocator_watch.check()
-        self.context.optimizer_ops.prefetch_noise()  # drawn while this backward runs
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)
+        # drawn while the clipped gradients are computed and reduced: drawn during the first
+        # pass, it slowed that pass by more than it saved at the step (2 ranks on 2 CPU cores:
+        # 210 against 205 ms a step, results/cpu-2cores-small-late-noise/)
+        self.context.optimizer_ops.prefetch_noise()
         self._clipped_pass(hooks, one=path.one)
         self.context.last_step_one_backward = path.one
         self.context.timer.end_step()

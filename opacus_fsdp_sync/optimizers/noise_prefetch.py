@@ -1,8 +1,10 @@
-"""Drawing the next step's Gaussian noise while the backward runs.
+"""Drawing the step's Gaussian noise while the clipped gradients are computed and reduced.
 
 The noise does not depend on the gradients, so it can be drawn before they exist: in a
 background thread on CPU (the draw releases the GIL and fills the time the main thread spends
-waiting for collectives), on a side stream on CUDA. The draws come from the optimizer's own
+waiting for collectives), on a side stream on CUDA. The engine starts the draw after the first
+pass (:meth:`~opacus_fsdp_sync.backward.SyncDPTensor.backward`), beside the weight gradients and
+the reduce-scatters. The draws come from the optimizer's own
 generator in the same order as a draw at step time, so a seed gives the same noise either way.
 
 On Linux the drawing thread runs at idle priority (``SCHED_IDLE``): it takes a core only when no
