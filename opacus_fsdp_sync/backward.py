@@ -170,10 +170,6 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             self.context.allocator_watch.check()
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)
-        # drawn while the clipped gradients are computed and reduced: drawn during the first
-        # pass, it slowed that pass by more than it saved at the step (2 ranks on 2 CPU cores:
-        # 210 against 205 ms a step, results/cpu-2cores-small-late-noise/)
-        self.context.optimizer_ops.prefetch_noise()
         self._clipped_pass(hooks, one=path.one)
         self.context.last_step_one_backward = path.one
         self.context.timer.end_step()
@@ -258,6 +254,11 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def _clipped_pass(self, hooks: StepHooks, *, one: bool) -> None:
         """The clipped gradients: from what the first pass kept (``one``) or a second backward."""
         try:
+            # The noise is drawn from here on, while the clipped gradients are computed and
+            # reduced: drawn during the first pass, it slowed that pass by 10 ms and the step by
+            # about 3 ms on 2 ranks sharing 2 CPU cores (results/cpu-2cores-small-late-noise/).
+            # Inside the try: a draw that fails to start cleans the step up as any failure here.
+            self.context.optimizer_ops.prefetch_noise()
             # As upstream, drop what the first pass left; to None rather than zero-filled (FSDP
             # then assigns instead of adding to zeros) where our optimizer reads None as zeros,
             # so a parameter this step did not use still gets its noise.

@@ -94,6 +94,38 @@ def test_error_ending_a_successful_first_pass_is_cleaned_up(setup):
     _assert_clean_then_exact(model, gsm, opt, crit, base, x, y, C)
 
 
+@pytest.mark.parametrize("one_backward", [True, False])
+def test_noise_draw_starts_after_the_first_pass_and_a_failed_start_is_cleaned_up(
+    setup, one_backward, monkeypatch
+):
+    """The draw starts once the first pass has ended; if it cannot start, the step is undone."""
+    base, x, y, C = setup
+    engine, model, gsm, opt, crit = _private(base, x, y, C, one_backward=one_backward)
+    calls = []
+
+    class Recording(NullController):
+        def end_first_pass(self):
+            calls.append("end_first_pass")
+
+        def abort(self):
+            calls.append("abort")
+
+    engine._context.controller = Recording()
+    ops = engine._context.optimizer_ops
+    draw = ops.prefetch_noise
+
+    def failing_draw():
+        calls.append("draw")
+        raise RuntimeError("the draw broke")
+
+    monkeypatch.setattr(ops, "prefetch_noise", failing_draw)
+    with pytest.raises(RuntimeError, match="the draw broke"):
+        crit(gsm(x[:B]), y[:B]).backward()
+    assert calls == ["end_first_pass", "draw", "abort"]
+    monkeypatch.setattr(ops, "prefetch_noise", draw)
+    _assert_clean_then_exact(model, gsm, opt, crit, base, x, y, C)
+
+
 def test_loss_plus_term_falls_back_logged_and_reported(setup, caplog):
     base, x, y, C = setup
     engine, model, gsm, opt, crit = _private(base, x, y, C)

@@ -166,11 +166,12 @@ class FlatNoiseStep(ScaledWithNoise):
             prefetched.take(prefetched.std)
 
     def prefetch_noise(self) -> None:
-        """Starts drawing the next step's noise now, to overlap the backward.
+        """Starts drawing the step's noise now, to overlap the rest of the backward.
 
         A background thread on CPU, a side stream on CUDA; :meth:`_noised` waits for it. Called
-        by the engine at the start of every private backward; a draw not yet consumed (a skipped
-        step) is kept for the next real step. Same seed, same noise as without it.
+        by the engine after the first pass of every private backward, before the clipped
+        gradients; a draw not yet consumed (a skipped or failed step) is kept for the next real
+        step. Same seed, same noise as without it.
         """
         if self._prefetched is not None:
             return

@@ -156,28 +156,42 @@ class _Span:
         self._pending: _Pending | None = None
 
     def __enter__(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"the timer's phase {self._name!r} is already open")
         timer = self._timer
         if _ranges_on:
             self._range = torch.profiler.record_function(RANGE_PREFIX + self._name)
             self._range.__enter__()
+        try:
+            if timer.clock == "cuda_event":
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                start = time.perf_counter()
+        except BaseException:
+            self._close_range(None, None, None)
+            raise
         within = tuple(timer._open) if self._excluded else ()
         timer._open.append(self._name)
-        if timer.clock == "cuda_event":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            start = time.perf_counter()
         self._pending = _Pending(self._name, start, within=within)
 
     def __exit__(self, *exc) -> bool:
         timer, pending = self._timer, self._pending
+        self._pending = None
         timer._open.pop()
-        if timer.clock == "cuda_event":
-            pending.end = torch.cuda.Event(enable_timing=True)
-            pending.end.record()
-        else:
-            pending.end = time.perf_counter()
-        timer._pending.append(pending)
-        if self._range is not None:
-            self._range.__exit__(*exc)
+        try:
+            if timer.clock == "cuda_event":
+                pending.end = torch.cuda.Event(enable_timing=True)
+                pending.end.record()
+            else:
+                pending.end = time.perf_counter()
+            timer._pending.append(pending)
+        finally:
+            self._close_range(*exc)
         return False
+
+    def _close_range(self, *exc) -> None:
+        """Closes the profiler range this span opened, if any (once)."""
+        opened, self._range = self._range, None
+        if opened is not None:
+            opened.__exit__(*exc)

@@ -1,0 +1,85 @@
+"""The step timer's phases and the phase marker: nesting, exclusion, errors and profiler ranges."""
+
+import time
+
+import pytest
+import torch
+
+from opacus_fsdp_sync.profiling import timers
+from opacus_fsdp_sync.profiling.phases import current_phase, phase
+from opacus_fsdp_sync.profiling.timers import StepTimer
+
+
+def test_nested_phases_and_an_excluded_one_deducted_from_those_around_it():
+    timer = StepTimer(enabled=True, log=False)
+    with timer.phase("step"):
+        with timer.phase("inner"):
+            time.sleep(0.002)
+        with timer.phase("tuning", excluded=True):
+            time.sleep(0.02)
+    out = timer.flush()
+    assert out["tuning"] >= 20.0
+    assert out["inner"] >= 2.0
+    # "step" keeps the time of the phase inside it and loses the excluded one's
+    assert out["inner"] <= out["step"] < out["inner"] + out["tuning"]
+
+
+def test_a_phase_that_raises_is_still_recorded_and_the_error_passes():
+    timer = StepTimer(enabled=True, log=False)
+    with pytest.raises(ValueError, match="inside"):
+        with timer.phase("broken"):
+            raise ValueError("inside")
+    assert "broken" in timer.flush()
+    assert timer._open == []
+
+
+def test_an_open_phase_cannot_be_entered_again():
+    timer = StepTimer(enabled=True, log=False)
+    span = timer.phase("once")
+    with span:
+        with pytest.raises(RuntimeError, match="already open"):
+            span.__enter__()
+    with span:  # closed again: reusable
+        pass
+    assert "once" in timer.flush()
+
+
+def test_a_disabled_timer_records_nothing():
+    timer = StepTimer(enabled=False, log=False)
+    with timer.phase("x"):
+        pass
+    assert timer.flush() == {}
+
+
+def test_profiler_ranges_open_outside_the_clock_and_close_once(monkeypatch):
+    events = []
+
+    class Range:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            events.append(("open", self.name))
+
+        def __exit__(self, *exc):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(torch.profiler, "record_function", Range)
+    timer = StepTimer(enabled=True, log=False)
+    with timers.profiler_ranges():
+        with timer.phase("norms"):
+            events.append(("body", None))
+    with timer.phase("outside"):  # no range outside profiler_ranges()
+        pass
+    assert events == [("open", "phase::norms"), ("body", None), ("close", "phase::norms")]
+
+
+def test_phase_marker_restores_the_outer_phase_even_on_error():
+    assert current_phase() == "other"
+    with phase("first_backward"):
+        with pytest.raises(KeyError):
+            with phase("norms"):
+                assert current_phase() == "norms"
+                raise KeyError("x")
+        assert current_phase() == "first_backward"
+    assert current_phase() == "other"
