@@ -8,7 +8,6 @@ distributed controller around the first pass and the timers around each phase.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +25,7 @@ from .hooks.kept import kept_bytes
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import DPOptimizerOps, OpacusOptimizerOps
 from .profiling.memory import AllocatorWatch
-from .profiling.phases import phase
-from .profiling.timers import StepTimer
+from .profiling.timers import StepTimer, step_phase
 
 logger = logging.getLogger(__name__)
 logger_ghost = logging.getLogger("opacus_fsdp_sync")
@@ -224,7 +222,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         sources, path.sources = path.sources, None  # held by the pass only
         first_error: BaseException | None = None
         try:
-            with phase("first_backward"), timer.phase("first_backward"):
+            with step_phase("first_backward", timer):
                 controller.begin_first_pass()
                 reduced_loss.backward(
                     inputs=sources if path.restricted else None, retain_graph=not path.one
@@ -240,7 +238,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         except BaseException as err:
             first_error = _first(first_error, err)
         try:
-            with phase("re-enable_sync"), timer.phase("re-enable_sync"):
+            with step_phase("re-enable_sync", timer):
                 controller.end_first_pass()
         except BaseException as err:
             first_error = _first(first_error, err)
@@ -275,7 +273,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 second = torch.sum(coeff.to(self.loss_per_sample.device) * self.loss_per_sample)
                 hooks.disable_hooks()
                 try:
-                    with phase("second_backward"), self.context.timer.phase("second_backward"):
+                    with step_phase("second_backward", self.context.timer):
                         second.backward()
                 finally:
                     hooks.enable_hooks()
@@ -323,7 +321,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         handoff = self.context.handoff
 
         def compute(entries: list) -> dict:
-            with phase("weight_grads"), timer.phase("weight_grads"):
+            with step_phase("weight_grads", timer):
                 return clipped_gradients(
                     entries,
                     coeff,
@@ -334,7 +332,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 )
 
         name = handoff.phase
-        handoff.deliver(kept, compute, lambda: _both(phase(name), timer.phase(name)))
+        handoff.deliver(kept, compute, lambda: step_phase(name, timer))
 
 
 def _first(first: BaseException | None, later: BaseException) -> BaseException:
@@ -343,13 +341,6 @@ def _first(first: BaseException | None, later: BaseException) -> BaseException:
         return later
     attach_cleanup_error(first, later)
     return first
-
-
-@contextmanager
-def _both(first, second):
-    """Enters two context managers as one."""
-    with first, second:
-        yield
 
 
 class SyncDPLoss(DPLossFastGradientClipping):

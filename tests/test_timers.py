@@ -7,7 +7,7 @@ import torch
 
 from opacus_fsdp_sync.profiling import timers
 from opacus_fsdp_sync.profiling.phases import current_phase, phase
-from opacus_fsdp_sync.profiling.timers import StepTimer
+from opacus_fsdp_sync.profiling.timers import StepTimer, step_phase
 
 
 def test_nested_phases_and_an_excluded_one_deducted_from_those_around_it():
@@ -82,4 +82,19 @@ def test_phase_marker_restores_the_outer_phase_even_on_error():
                 assert current_phase() == "norms"
                 raise KeyError("x")
         assert current_phase() == "first_backward"
+    assert current_phase() == "other"
+
+
+def test_step_phase_announces_and_times_and_undoes_both_on_error():
+    timer = StepTimer(enabled=True, log=False)
+    with pytest.raises(ValueError, match="inside"):
+        with step_phase("norms", timer):
+            assert current_phase() == "norms"
+            assert timer._open == ["norms"]
+            raise ValueError("inside")
+    assert current_phase() == "other"
+    assert timer._open == []
+    assert "norms" in timer.flush()
+    with step_phase("weight_grads"):  # no timer: announced only
+        assert current_phase() == "weight_grads"
     assert current_phase() == "other"

@@ -19,7 +19,7 @@ from torch import nn
 from .._opacus_internals import captured_activations
 from .._torch_compat import in_backward
 from ..layers.registry import take_per_sample
-from ..profiling.phases import phase
+from ..profiling.timers import step_phase
 from .kept import output_meta
 
 
@@ -121,7 +121,7 @@ class PassTrackingMixin:
         """
         if not self.hooks_enabled:
             return contextlib.nullcontext()
-        return _NormsPhase(self._norm_timer)
+        return step_phase("norms", self._norm_timer)
 
     def _keep(self, module: nn.Module, entry) -> None:
         """After the norms: keeps ``entry`` (from :meth:`_report`), or drops what nobody keeps.
@@ -178,37 +178,3 @@ class PassTrackingMixin:
         """Drops what a failed step recorded."""
         self._sources, self._captured, self._reported, self._kept = [], {}, set(), []
         self._outputs = {}
-
-
-class _NormsPhase:
-    """The ``norms`` phase announced, then timed where a timer is given (one object per layer).
-
-    A plain context manager rather than a stack of generator ones: it opens once per layer and
-    step, inside the backward.
-    """
-
-    __slots__ = ("_timer", "_announced", "_timed")
-
-    def __init__(self, timer) -> None:
-        self._timer = timer
-        self._announced = None
-        self._timed = None
-
-    def __enter__(self) -> None:
-        self._announced = phase("norms")
-        self._announced.__enter__()
-        if self._timer is not None:
-            try:
-                self._timed = self._timer.phase("norms")
-                self._timed.__enter__()
-            except BaseException:
-                self._announced.__exit__(None, None, None)
-                raise
-
-    def __exit__(self, *exc) -> bool:
-        try:
-            if self._timed is not None:
-                self._timed.__exit__(*exc)
-        finally:
-            self._announced.__exit__(*exc)
-        return False

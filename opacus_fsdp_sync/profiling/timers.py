@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .phases import phase
+
 logger = logging.getLogger("opacus_fsdp_sync")
 
 #: Environment variable that switches step timing on when set to ``1``.
@@ -195,3 +197,46 @@ class _Span:
         opened, self._range = self._range, None
         if opened is not None:
             opened.__exit__(*exc)
+
+
+def step_phase(name: str, timer: StepTimer | None = None) -> contextlib.AbstractContextManager:
+    """Announces phase ``name`` (:func:`.phases.phase`) and times it with ``timer`` (if given).
+
+    The engine's phases and the hooks' per-layer ``norms`` phase take it: a plain context manager
+    (no generator), entering the announcement first and leaving it last.
+
+    Args:
+        name: The phase.
+        timer: The step's timer, or None to announce only.
+
+    Returns:
+        The context manager.
+    """
+    return _StepPhase(name, timer)
+
+
+class _StepPhase:
+    """What :func:`step_phase` returns (one object per use)."""
+
+    __slots__ = ("_announced", "_timed")
+
+    def __init__(self, name: str, timer: StepTimer | None) -> None:
+        self._announced = phase(name)
+        self._timed = None if timer is None else timer.phase(name)
+
+    def __enter__(self) -> None:
+        self._announced.__enter__()
+        if self._timed is not None:
+            try:
+                self._timed.__enter__()
+            except BaseException:
+                self._announced.__exit__(None, None, None)
+                raise
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            if self._timed is not None:
+                self._timed.__exit__(*exc)
+        finally:
+            self._announced.__exit__(*exc)
+        return False
