@@ -21,6 +21,9 @@ TOL = 2e-5
     [
         (False, {}),  # the default: one backward, per-sample gradients where cheaper
         (True, {"one_backward": False}),  # two passes; the tied embedding and head off the lane
+        # Grams in row blocks of 4 tokens: no contraction is batched; each is contracted in its
+        # hook and its clamp/sqrt/scale finished with the others' at the end of the pass
+        (False, {"gram_block": 4, "per_sample_grads": False}),
     ],
 )
 def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs):
@@ -46,10 +49,15 @@ def test_lanes_match_the_full_chain_bit_for_bit_and_the_loop(tie, engine_kwargs)
         # together: q/k/v of each block at least (2 blocks, 2 steps; a tiny MLP may take
         # per-sample gradients); two passes defer none. In the hook or deferred, bit for bit.
         one = engine_kwargs.get("one_backward", True)
-        if one:
+        blocks = engine_kwargs.get("gram_block", 0)
+        if one and not blocks:
             assert 3 * 2 * 2 <= res["batched_on"] <= res["deferred_on"] < res["lane_calls"]
-        else:
+        elif one:  # every Linear (7 a block, 2 blocks, 2 steps) contracted in its hook
             assert res["deferred_on"] == res["batched_on"] == 0
+            assert res["tails_on"] >= 7 * 2 * 2, res["tails_on"]
+        else:
+            assert res["deferred_on"] == res["batched_on"] == res["tails_on"] == 0
+        assert res["tails_off"] == 0  # in the hooks, the whole norm
         assert res["deferred_off"] == 0
         assert res["deferred_vs_hooks"] == [0.0, 0.0], res["deferred_vs_hooks"]
         assert res["norms_deferred_vs_hooks"] == 0.0
@@ -67,3 +75,18 @@ def test_a_failure_while_norms_are_deferred_leaves_nothing_behind():
         assert res["error"] == "batched finish broke"
         assert res["left"] == {"deferred": 0, "kept": 0, "grams": 0, "layers": []}, res["left"]
         assert res["after_vs_clean"] == [0.0, 0.0], res["after_vs_clean"]
+
+
+def test_the_hand_off_computing_groups_ahead_changes_no_bit():
+    # FSDP2's hand-off computing two groups' clipped gradients ahead of the one it hands over
+    # (the accelerator default) against none ahead (the CPU default): a tied Llama, whose head
+    # adds to the root group's embedding from another layer; clipping active
+    for res in run_ranks(workers_lean.handoff_lookahead, 2, timeout=300):
+        assert all(share > 0 for share in res["clipped"]), res["clipped"]  # clipping active
+        assert any(share < 1 for share in res["clipped"]), res["clipped"]  # not every sample
+        assert res["params_diff"] == [0.0, 0.0], res["params_diff"]
+        assert res["norms_diff"] == 0.0
+        n = res["order0"].count("h")
+        assert n >= 3 and res["order0"].count("c") == res["order2"].count("c") >= 3
+        assert res["order0"].startswith("ch")  # each group handed as soon as it is computed
+        assert res["order2"].startswith("ccc") and res["order2"].endswith("hhh")

@@ -37,12 +37,13 @@ def _counting_lanes():
 
 def _counting_deferred():
     """Counts the norms the lanes deferred to the end of a first pass, and those batched."""
-    calls = {"n": 0, "batched": 0}
+    calls = {"n": 0, "batched": 0, "tails": 0}
     original = LeanLaneMixin.finish_norms
     group = LinearNormSampler._finish_group
 
     def counted(self):
         calls["n"] += len(self._deferred)
+        calls["tails"] += len(self._tails)
         return original(self)
 
     def grouped(self, jobs, scale):
@@ -115,8 +116,8 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     gsm = _train.last_gsm
     lane_types = sorted({lane.layer_type.__name__ for lane in gsm._lanes.values()})
     lane_calls = calls["n"]
-    deferred_on, batched_on = deferred["n"], deferred["batched"]
-    left_on = _left_state(gsm) + (["deferred norms"] if gsm._deferred else [])
+    deferred_on, batched_on, tails_on = deferred["n"], deferred["batched"], deferred["tails"]
+    left_on = _left_state(gsm) + (["deferred norms"] if gsm._deferred or gsm._tails else [])
     quiet = _eval_forward_captures_nothing(gsm, ids[rank * B_LOCAL : (rank + 1) * B_LOCAL])
     with mock.patch.object(LeanLaneMixin, "lean_hooks", False):
         off_params, off_norms = _train(
@@ -129,6 +130,7 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
             PrivacyEngine(**engine_kwargs), base, ids, rank, world, C, steps, True
         )
         deferred_off = deferred["n"] - deferred_on
+        tails_off = deferred["tails"] - tails_on
 
     return dict(
         C=C,
@@ -144,6 +146,8 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
         batched_on=batched_on,
         batched_off=deferred["batched"] - batched_on,
         deferred_off=deferred_off,
+        tails_on=tails_on,
+        tails_off=tails_off,
         on_norms=on_norms,
         lane_types=lane_types,
         lanes=len(gsm._lanes),
@@ -186,7 +190,7 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
         except RuntimeError as err:
             error = str(err)
         left = dict(
-            deferred=len(gsm._deferred),
+            deferred=len(gsm._deferred) + len(gsm._tails),
             kept=len(gsm._kept),
             grams=len(gsm.gram_cache._grams) + len(gsm.gram_cache._readers),
             layers=_left_state(gsm),
@@ -203,4 +207,49 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
         error=error,
         left=left,
         after_vs_clean=[_diff(p, q) for p, q in zip(after, clean)],
+    )
+
+
+def handoff_lookahead(rank: int, world: int) -> dict:
+    """Two FSDP2 steps of a tied tiny Llama with the hand-off computing 0 and 2 groups ahead.
+
+    Returns the largest difference between the two (parameters after each step, per-sample
+    norms), the order of the hand-off's gradient computations (``c``) and group post-backwards
+    (``h``) in the first step of each, and the clipping bound's share of clipped samples.
+    """
+    from opacus_fsdp_sync import one_backward as ob_step
+    from opacus_fsdp_sync.apis.fsdp2 import FSDP2Handoff
+    from opacus_fsdp_sync.distributed import _fsdp2_handoff_internals as hi
+
+    steps = 2
+    base, ids, C = _tiny_setup(world, steps, tie=True)
+    events: list[str] = []
+    post, clipped = hi.group_post_backward, ob_step.clipped_gradients
+
+    def handing(group):
+        events.append("h")
+        return post(group)
+
+    def computing(*args, **kwargs):
+        events.append("c")
+        return clipped(*args, **kwargs)
+
+    out = {}
+    with (
+        mock.patch.object(hi, "group_post_backward", handing),
+        mock.patch.object(ob_step, "clipped_gradients", computing),
+    ):
+        for ahead in (0, 2):
+            events.clear()
+            with mock.patch.object(FSDP2Handoff, "lookahead", ahead):
+                params, norms = _train(PrivacyEngine(), base, ids, rank, world, C, steps, True)
+            half = len(events) // steps
+            out[ahead] = (params, norms, "".join(events[:half]))
+    (p0, n0, order0), (p2, n2, order2) = out[0], out[2]
+    return dict(
+        params_diff=[_diff(p, q) for p, q in zip(p0, p2)],
+        norms_diff=max(abs(x - y) for s, t in zip(n0, n2) for x, y in zip(s, t)),
+        order0=order0,
+        order2=order2,
+        clipped=[sum(n > C for n in s) / len(s) for s in n0],
     )

@@ -8,6 +8,9 @@
   non-private step phase by phase (ops, bytes, FLOPs, live bytes; CLI
   ``python -m opacus_fsdp_sync.bench.ledger``), counted by :mod:`.op_ledger`, reported by
   :mod:`.ledger_report`.
+- :mod:`opacus_fsdp_sync.bench.host_overhead`: the host time (dispatch and Python) of a private
+  step against a non-private one at a negligible width, what a GPU waits for when the host is
+  behind (CLI ``python -m opacus_fsdp_sync.bench.host_overhead``).
 - :mod:`opacus_fsdp_sync.bench.throughput`: the suite's cost per example and tokens per second
   over the measured steps, by which its tables and plots compare modes.
 
