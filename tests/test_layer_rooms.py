@@ -310,3 +310,26 @@ def test_tied_room_cross_term_and_sum():
     assert ((cross - expected).abs() / scale).max().item() <= 1e-6
     assert torch.equal(tied.clipped_grad([g_emb[0], g_head[0]]), g_emb[0] + g_head[0])
     assert not tied.per_sample_grad and tied.per_sample_grad.why
+
+
+def test_embedding_norm_reads_nothing_back_to_the_host():
+    """No op whose output size or value the host must read from the device (a GPU sync in the
+    middle of the first pass): no ``unique``, ``nonzero`` or scalar read; padding included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    layer = nn.Embedding(V, D, padding_idx=1)
+    ids = torch.randint(0, V, (B, T))
+    with Ops() as ops:
+        room_for(layer).norm(layer, [ids], torch.randn(B, T, D))
+    syncing = {"_unique2", "unique_dim", "unique_consecutive", "nonzero", "_local_scalar_dense"}
+    assert not ops.names & syncing, ops.names & syncing
+    assert "sort" in ops.names

@@ -37,12 +37,39 @@ def padding_aware_embedding_norm(layer: nn.Embedding, activations, backprops) ->
     wide = torch.promote_types(backprops.dtype, torch.float32)
     offsets = torch.arange(n, device=ids.device).mul_(layer.num_embeddings).unsqueeze(1)
     keys = (ids.reshape(n, per_sample).long() + offsets).reshape(-1)
-    distinct, position = torch.unique(keys, sorted=True, return_inverse=True)
-    rows = torch.zeros(distinct.numel(), d, dtype=wide, device=backprops.device)
+    position, owner = sorted_key_slots(keys, layer.num_embeddings)
+    rows = torch.zeros(keys.numel(), d, dtype=wide, device=backprops.device)
     rows.index_add_(0, position, backprops.reshape(-1, d).to(wide))
     sq = torch.zeros(n, dtype=wide, device=backprops.device)
-    sq.index_add_(0, distinct.div(layer.num_embeddings, rounding_mode="floor"), rows.pow(2).sum(1))
+    sq.index_add_(0, owner, rows.pow(2).sum(1))
     return {layer.weight: sq.sqrt()}
+
+
+def sorted_key_slots(keys: torch.Tensor, per_owner: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(keys, sorted=True, return_inverse=True)`` without its device sync.
+
+    ``unique`` returns as many distinct keys as there are, a number the host must read back from
+    the device (a synchronisation that, in the middle of the first pass, let the GPU run dry).
+    Here each key's slot is its rank among the distinct keys, from a sort and a running count of
+    key changes, and there are as many slots as keys: the first slots are ``unique``'s, in its
+    order, and the rest hold nothing.
+
+    Args:
+        keys: ``(K,)`` int64 keys ``owner * per_owner + token``.
+        per_owner: Keys per owner (the vocabulary size).
+
+    Returns:
+        ``(position, owner)``: ``position[k]`` is the slot of ``keys[k]`` (``unique``'s inverse);
+        ``owner[j]`` is slot ``j``'s key divided by ``per_owner`` (0 for a slot holding nothing,
+        whose row stays zero).
+    """
+    ordered, order = torch.sort(keys)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    slot = starts.cumsum(0).sub_(1)
+    position = torch.empty_like(slot).scatter_(0, order, slot)
+    owner = torch.zeros_like(slot).scatter_(0, slot, ordered.div(per_owner, rounding_mode="floor"))
+    return position, owner
 
 
 @register_layer(nn.Embedding)
