@@ -116,7 +116,8 @@ class StepNormsMixin:
                 "(did the forward run any trainable layer in training mode?)"
             )
         device = norms[0].device
-        norm = torch.stack([ns.to(device) for ns in norms], dim=0).norm(2, dim=0)
+        norm = torch.stack([ns if ns.device == device else ns.to(device) for ns in norms])
+        norm = norm.norm(2, dim=0)
         self.per_sample_gradient_norms = norm
         return norm
 

@@ -147,7 +147,10 @@ def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
         One ``(N, w_i, T - s_i)`` tensor per row block of :func:`row_blocks`.
     """
     xt = x.transpose(1, 2)
-    return [wide_bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in row_blocks(x.shape[1], block)]
+    blocks = row_blocks(x.shape[1], block)
+    if len(blocks) == 1:  # the full Gram: no slicing views (the same matmul)
+        return [wide_bmm(x, xt)]
+    return [wide_bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in blocks]
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
@@ -197,9 +200,11 @@ def _row_dots(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tenso
     """
     n, w = a.shape[:2]
     k = hi - lo
+    if lo != 0 or hi != a.shape[2]:  # else the whole rows: no slicing views
+        a, b = a[:, :, lo:hi], b[:, :, lo:hi]
     if _by_product(a):
-        return torch.linalg.vecdot(a[:, :, lo:hi], b[:, :, lo:hi]).sum(1)
-    rows = torch.bmm(a[:, :, lo:hi].reshape(n * w, 1, k), b[:, :, lo:hi].reshape(n * w, k, 1))
+        return torch.linalg.vecdot(a, b).sum(1)
+    rows = torch.bmm(a.reshape(n * w, 1, k), b.reshape(n * w, k, 1))
     return rows.view(n, w).sum(1)
 
 
@@ -225,8 +230,9 @@ def contract_output_grams(
         return None, b_sq
     w_sq = None
     gt = g.transpose(1, 2)
-    for a_i, (s, w) in zip(aat, row_blocks(g.shape[1], block)):
-        ggt = wide_bmm(g[:, s : s + w], gt[:, :, s:])
+    blocks = row_blocks(g.shape[1], block)
+    for a_i, (s, w) in zip(aat, blocks):
+        ggt = wide_bmm(g, gt) if len(blocks) == 1 else wide_bmm(g[:, s : s + w], gt[:, :, s:])
         a_i = a_i.to(ggt.dtype)
         if ggt.shape[2] > w:  # the diagonal block once, the rest of the row twice
             part = _row_dots(a_i, ggt, 0, w) + 2 * _row_dots(a_i, ggt, w, ggt.shape[2])
