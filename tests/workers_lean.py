@@ -160,29 +160,37 @@ def lanes_against_chain(rank: int, world: int, tie: bool, engine_kwargs: dict) -
     )
 
 
-def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
-    """A step whose deferred Gram contractions raise, then two steps, against two clean steps.
+def failure_while_norms_are_deferred(rank: int, world: int, where: str = "batch") -> dict:
+    """A step whose deferred norms raise, then two steps, against two clean steps.
 
-    Returns the error seen, what the failed step left (deferred jobs, kept entries, cached
-    Grams, per-layer state) and the largest difference between the steps after the failure
-    and the same steps of a run that never failed.
+    ``where``: ``"batch"`` breaks the batched Gram finish at the end of the first pass;
+    ``"tails"`` (Grams in row blocks of 4 tokens: every contraction in its hook, its elementwise
+    tail deferred) breaks the fifth layer's contraction, mid-backward, after earlier layers left
+    their tails. Returns the error seen, what the failed step left (deferred jobs and tails, kept
+    entries, cached Grams, per-layer state) and the largest difference between the steps after
+    the failure and the same steps of a run that never failed.
     """
     base, ids, C = _tiny_setup(world, 2)  # clipping active
     b = B_LOCAL * world
-    clean, _ = _train(PrivacyEngine(), base, ids, rank, world, C, 2, True)
-    original = LinearNormSampler.finish_batch
-    broke = {"n": 0}
+    kwargs = {} if where == "batch" else {"gram_block": 4, "per_sample_grads": False}
+    clean, _ = _train(PrivacyEngine(**kwargs), base, ids, rank, world, C, 2, True)
+    name = "finish_batch" if where == "batch" else "finish_squares"
+    original = getattr(LinearNormSampler, name)
+    calls = {"n": 0}
+    fail_at = 1 if where == "batch" else 5
 
-    def breaks_once(self, jobs, scales):
-        if broke["n"] == 0:
-            broke["n"] += 1
-            raise RuntimeError("batched finish broke")
-        return original(self, jobs, scales)
+    def breaks_once(self, *args):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise RuntimeError("batched finish broke" if where == "batch" else "contraction broke")
+        return original(self, *args)
 
     cfg = ShardingConfig.for_precision("fp32")
     model = shard_model(copy.deepcopy(base), cfg, device=torch.device("cpu"))
-    with mock.patch.object(LinearNormSampler, "finish_batch", breaks_once):
-        gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (ids,), b, C, "ghost_fsdp", lr=LR)
+    with mock.patch.object(LinearNormSampler, name, breaks_once):
+        gsm, opt, crit, _ = make_private(
+            PrivacyEngine(**kwargs), model, (ids,), b, C, "ghost_fsdp", lr=LR
+        )
         x = ids[:b][rank * B_LOCAL : (rank + 1) * B_LOCAL]
         error = None
         try:
@@ -190,7 +198,8 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
         except RuntimeError as err:
             error = str(err)
         left = dict(
-            deferred=len(gsm._deferred) + len(gsm._tails),
+            deferred=len(gsm._deferred),
+            tails=len(gsm._tails),
             kept=len(gsm._kept),
             grams=len(gsm.gram_cache._grams) + len(gsm.gram_cache._readers),
             layers=_left_state(gsm),
@@ -205,51 +214,7 @@ def failure_while_norms_are_deferred(rank: int, world: int) -> dict:
             after.append(_full_params(model))
     return dict(
         error=error,
+        calls=calls["n"],
         left=left,
         after_vs_clean=[_diff(p, q) for p, q in zip(after, clean)],
-    )
-
-
-def handoff_lookahead(rank: int, world: int) -> dict:
-    """Two FSDP2 steps of a tied tiny Llama with the hand-off computing 0 and 2 groups ahead.
-
-    Returns the largest difference between the two (parameters after each step, per-sample
-    norms), the order of the hand-off's gradient computations (``c``) and group post-backwards
-    (``h``) in the first step of each, and the clipping bound's share of clipped samples.
-    """
-    from opacus_fsdp_sync import one_backward as ob_step
-    from opacus_fsdp_sync.apis.fsdp2 import FSDP2Handoff
-    from opacus_fsdp_sync.distributed import _fsdp2_handoff_internals as hi
-
-    steps = 2
-    base, ids, C = _tiny_setup(world, steps, tie=True)
-    events: list[str] = []
-    post, clipped = hi.group_post_backward, ob_step.clipped_gradients
-
-    def handing(group):
-        events.append("h")
-        return post(group)
-
-    def computing(*args, **kwargs):
-        events.append("c")
-        return clipped(*args, **kwargs)
-
-    out = {}
-    with (
-        mock.patch.object(hi, "group_post_backward", handing),
-        mock.patch.object(ob_step, "clipped_gradients", computing),
-    ):
-        for ahead in (0, 2):
-            events.clear()
-            with mock.patch.object(FSDP2Handoff, "lookahead", ahead):
-                params, norms = _train(PrivacyEngine(), base, ids, rank, world, C, steps, True)
-            half = len(events) // steps
-            out[ahead] = (params, norms, "".join(events[:half]))
-    (p0, n0, order0), (p2, n2, order2) = out[0], out[2]
-    return dict(
-        params_diff=[_diff(p, q) for p, q in zip(p0, p2)],
-        norms_diff=max(abs(x - y) for s, t in zip(n0, n2) for x, y in zip(s, t)),
-        order0=order0,
-        order2=order2,
-        clipped=[sum(n > C for n in s) / len(s) for s in n0],
     )

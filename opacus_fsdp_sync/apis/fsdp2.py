@@ -157,15 +157,6 @@ class FSDP2Controller:
         attach_cleanup_error(pending, self._broken)
 
 
-#: :attr:`FSDP2Handoff.lookahead` on an accelerator. There the host queues each group's matmuls
-#: and then runs FSDP2's post-backward for a group (its Python, the reduce-scatter's copy-in and
-#: launch) while the device works; with the next groups' matmuls already queued, the device does
-#: not wait for that host work. On an H100 at a Poisson batch of 4 the hand-off took 26-34 ms a
-#: step against 6.7 ms at a batch of 8 (``results/gpu-h100-campaign/late-noise/``). Each group
-#: computed ahead holds its unsharded gradients until its turn.
-ACCELERATOR_LOOKAHEAD = 2
-
-
 def _drop_grad(param: nn.Parameter) -> None:
     param.grad = None
 
@@ -179,10 +170,6 @@ class FSDP2Handoff:
 
     #: The engine's phase name for the hand-off.
     phase = "reduce_scatter"
-    #: Groups whose clipped gradients are computed before the group being handed over (None:
-    #: by device, :meth:`_lookahead`). A group's gradients are still handed over only once every
-    #: layer that contributes to them was computed, so the gradients are the same, bit for bit.
-    lookahead: int | None = None
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
@@ -212,8 +199,6 @@ class FSDP2Handoff:
         kept.clear()
         owners = [self._groups_of(entry[0], index) for entry in entries]
         pending: dict[int, tuple] = {}
-        ahead = self._lookahead(index)
-        computed: list[int] = []  # groups whose gradients are computed and not yet handed
         for gi in reversed(range(len(groups))):
             todo = [
                 j
@@ -231,41 +216,19 @@ class FSDP2Handoff:
                         grad = pending[pid][1] + grad
                     pending[pid] = (param, grad)
                 del grads
-            computed.append(gi)
-            if len(computed) > ahead:
-                self._hand(computed.pop(0), groups, index, pending, reduce_phase)
-        for gi in computed:
-            self._hand(gi, groups, index, pending, reduce_phase)
+            with reduce_phase():
+                for pid in [pid for pid in pending if index[pid][0] == gi]:
+                    fp, grad = index[pid][1], pending.pop(pid)[1]
+                    # a tp shard becomes a DTensor of the unsharded parameter's placements
+                    grad = as_param_grad(internals.unsharded_param(fp), grad)
+                    handoff_internals.set_unsharded_grad(fp, grad)
+                handoff_internals.group_post_backward(groups[gi])
         if pending:  # cannot happen: every parameter's group was visited
             raise internals.FSDPInternalsError(
                 f"{len(pending)} clipped gradient(s) were left undelivered"
             )
         with reduce_phase():
             handoff_internals.finish_backward(self.modules)
-
-    def _lookahead(self, index: dict) -> int:
-        """How many groups' gradients are computed ahead of the group being handed over.
-
-        :attr:`lookahead`, or where it is None: 0 on CPU (each op runs as it is called), else
-        :data:`ACCELERATOR_LOOKAHEAD`.
-        """
-        if self.lookahead is not None:
-            return self.lookahead
-        fp = next(iter(index.values()), (None, None))[1]
-        if fp is None or fp.sharded_param.device.type == "cpu":
-            return 0
-        return ACCELERATOR_LOOKAHEAD
-
-    @staticmethod
-    def _hand(gi: int, groups: list, index: dict, pending: dict, reduce_phase) -> None:
-        """Sets group ``gi``'s clipped gradients on its parameters and runs its post-backward."""
-        with reduce_phase():
-            for pid in [pid for pid in pending if index[pid][0] == gi]:
-                fp, grad = index[pid][1], pending.pop(pid)[1]
-                # a tp shard becomes a DTensor of the unsharded parameter's placements
-                grad = as_param_grad(internals.unsharded_param(fp), grad)
-                handoff_internals.set_unsharded_grad(fp, grad)
-            handoff_internals.group_post_backward(groups[gi])
 
     @staticmethod
     def _groups_of(module: nn.Module, index: dict) -> set[int]:
