@@ -8,6 +8,7 @@ from opacus_fsdp_sync.bench.host_overhead import (
     markdown,
     parse_args,
 )
+from opacus_fsdp_sync.bench.results_io import run_and_save, save
 from opacus_fsdp_sync.layers import linear_grams
 from opacus_fsdp_sync.testing import run_ranks
 
@@ -56,3 +57,15 @@ def test_a_tiny_pair_of_steps_is_timed_and_counted():
     assert result["extra_ops"] == private["ops"] - plain["ops"]
     table = markdown(result)
     assert "| non-private |" in table and "| private |" in table
+
+
+def test_results_are_written_as_json_and_markdown_or_not_at_all(tmp_path, capsys):
+    save(None, "x", {"a": 1}, "| t |\n")  # no folder: nothing written, nothing raised
+    assert (
+        run_and_save(lambda: {"a": 1}, lambda r: f"| {r['a']} |\n", str(tmp_path / "o"), "r") == 0
+    )
+    assert (tmp_path / "o" / "r.json").read_text().strip().startswith("{")
+    assert (tmp_path / "o" / "r.md").read_text() == "| 1 |\n"
+    assert "| 1 |" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="broke"):
+        run_and_save(lambda: (_ for _ in ()).throw(RuntimeError("broke")), str, None, "r")

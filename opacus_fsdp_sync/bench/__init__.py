@@ -11,6 +11,8 @@
 - :mod:`opacus_fsdp_sync.bench.host_overhead`: the host time (dispatch and Python) of a private
   step against a non-private one at a negligible width, what a GPU waits for when the host is
   behind (CLI ``python -m opacus_fsdp_sync.bench.host_overhead``).
+- :mod:`opacus_fsdp_sync.bench.results_io`: the end those command lines share (print the
+  table, write ``DIR/{name}.json`` and ``.md`` on rank 0, end the process group).
 - :mod:`opacus_fsdp_sync.bench.throughput`: the suite's cost per example and tokens per second
   over the measured steps, by which its tables and plots compare modes.
 

@@ -19,20 +19,19 @@ over the measured steps and its spread, and the aten ops of one more step (count
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from ..known_warnings import quiet_known_warnings
 from ..layers import linear_grams
 from .ledger import LedgerConfig, _prepare, _step, config_from_flags
 from .op_ledger import OpLedger
+from .results_io import run_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -188,25 +187,9 @@ def parse_args(argv: list[str] | None = None) -> HostOverheadConfig:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: times both steps, prints the table and writes the files."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
-    for message in ("Secure RNG turned off", "Full backward hook is firing", ".*view tensor"):
-        warnings.filterwarnings("ignore", message=message)
+    quiet_known_warnings()
     cfg = parse_args(argv)
-    import torch.distributed as dist
-
-    try:
-        result = run(cfg)
-        table = markdown(result)
-        if dist.get_rank() == 0:
-            print(table, flush=True)
-            if cfg.out is not None:
-                out = Path(cfg.out)
-                out.mkdir(parents=True, exist_ok=True)
-                (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=2))
-                (out / f"{cfg.name}.md").write_text(table)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_and_save(lambda: run(cfg), markdown, cfg.out, cfg.name)
 
 
 if __name__ == "__main__":

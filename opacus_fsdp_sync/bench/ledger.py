@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,6 +40,7 @@ from ..profiling.phases import phase
 from .accelerator_ops import accelerator_matmuls
 from .ledger_report import markdown, ratios, summary
 from .op_ledger import OpLedger
+from .results_io import run_and_save, save
 
 logger = logging.getLogger(__name__)
 
@@ -246,11 +245,7 @@ def parse_args(argv: list[str] | None = None) -> LedgerConfig:
 def write(result: dict, cfg: LedgerConfig) -> str:
     """Writes ``{out}/{stem}.json`` and ``.md`` when ``cfg.out`` is set; returns the table."""
     table = markdown(result)
-    if cfg.out is not None:
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{cfg.stem}.json").write_text(json.dumps(result, indent=2))
-        (out / f"{cfg.stem}.md").write_text(table)
+    save(cfg.out, cfg.stem, result, table)
     return table
 
 
@@ -260,16 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     for message in ("Secure RNG turned off", "Full backward hook is firing", ".*view tensor"):
         warnings.filterwarnings("ignore", message=message)
     cfg = parse_args(argv)
-    import torch.distributed as dist
-
-    try:
-        result = run(cfg)
-        if dist.get_rank() == 0:
-            print(write(result, cfg), flush=True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_and_save(lambda: run(cfg), markdown, cfg.out, cfg.stem)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,10 @@ recorded beside its drawn size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,6 +38,7 @@ from ..known_warnings import quiet_known_warnings
 from ..models import PRESETS
 from .ledger import LedgerConfig, build_model, causal_lm_loss, config_from_flags
 from .op_ledger import OpLedger
+from .results_io import run_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -259,21 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     quiet_known_warnings()
     cfg = parse_args(argv)
-    import torch.distributed as dist
-
-    try:
-        result = run(cfg)
-        table = markdown(result)
-        print(table)
-        if cfg.out is not None:
-            out = Path(cfg.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=2))
-            (out / f"{cfg.name}.md").write_text(table)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_and_save(lambda: run(cfg), markdown, cfg.out, cfg.name)
 
 
 if __name__ == "__main__":
