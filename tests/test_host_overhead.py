@@ -2,12 +2,8 @@
 
 import pytest
 
-from opacus_fsdp_sync.bench.host_overhead import (
-    HostOverheadConfig,
-    accelerator_contraction,
-    markdown,
-    parse_args,
-)
+from opacus_fsdp_sync.bench.accelerator_ops import accelerator_contraction
+from opacus_fsdp_sync.bench.host_overhead import HostOverheadConfig, markdown, parse_args
 from opacus_fsdp_sync.bench.results_io import run_and_save, save
 from opacus_fsdp_sync.layers import linear_grams
 from opacus_fsdp_sync.testing import run_ranks

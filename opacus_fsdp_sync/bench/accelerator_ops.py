@@ -75,14 +75,30 @@ def accelerator_matmuls() -> Iterator[None]:
     for name in missing:
         lib.impl(name, kernels[name], "CPU")
     linear_grams._OUT_DTYPE.clear()
-    by_product = set(linear_grams.PRODUCT_CONTRACTION)
-    linear_grams.PRODUCT_CONTRACTION.clear()  # the accelerator's contraction: no product
     if missing:
         logger.info("[Ghost] ledger: CPU kernels of aten::%s for the accelerator path", missing)
     try:
-        yield
+        with accelerator_contraction():
+            yield
     finally:
         if lib is not None:
             lib._destroy()
         linear_grams._OUT_DTYPE.clear()
+
+
+@contextlib.contextmanager
+def accelerator_contraction() -> Iterator[None]:
+    """Gram contractions by batched matmuls on every device for the block's duration.
+
+    Empties :data:`~opacus_fsdp_sync.layers.linear_grams.PRODUCT_CONTRACTION` (the accelerator's
+    contraction: no product written) and restores it on exit, also on error.
+
+    Yields:
+        None.
+    """
+    by_product = set(linear_grams.PRODUCT_CONTRACTION)
+    linear_grams.PRODUCT_CONTRACTION.clear()
+    try:
+        yield
+    finally:
         linear_grams.PRODUCT_CONTRACTION.update(by_product)

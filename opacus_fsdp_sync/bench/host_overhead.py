@@ -18,7 +18,6 @@ over the measured steps and its spread, and the aten ops of one more step (count
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import sys
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..known_warnings import quiet_known_warnings
-from ..layers import linear_grams
+from .accelerator_ops import accelerator_contraction
 from .ledger import LedgerConfig, _prepare, _step, config_from_flags
 from .op_ledger import OpLedger
 from .results_io import run_and_save
@@ -82,18 +81,6 @@ class HostOverheadConfig:
             accelerator_path=False,
             gram_block=0,
         )
-
-
-@contextlib.contextmanager
-def accelerator_contraction():
-    """Gram contractions by batched matmuls, as on CUDA, inside the block (see the docstring)."""
-    removed = "cpu" in linear_grams.PRODUCT_CONTRACTION
-    linear_grams.PRODUCT_CONTRACTION.discard("cpu")
-    try:
-        yield
-    finally:
-        if removed:
-            linear_grams.PRODUCT_CONTRACTION.add("cpu")
 
 
 def _vocab(cfg: LedgerConfig) -> int:
