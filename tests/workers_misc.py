@@ -83,3 +83,22 @@ def dtensor_linear_norms(rank: int, world: int) -> dict:
     bias = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
     diff = max((got - direct).abs().max().item(), (bias - g.sum(1).norm(dim=1)).abs().max().item())
     return dict(block_for=cache.block_for(da, dg), diff=diff)
+
+
+def environment_probe(rank: int, world: int, name: str) -> dict:
+    """What a rank sees: an environment variable, its thread count and its process's start."""
+    import multiprocessing
+
+    return dict(
+        value=__import__("os").environ.get(name),
+        threads=torch.get_num_threads(),
+        start=multiprocessing.get_start_method(allow_none=True),
+        rank=dist.get_rank(),
+    )
+
+
+def raise_on_rank_one(rank: int, world: int) -> int:
+    """Raises on rank 1 only (the harness must report it with its traceback)."""
+    if rank == 1:
+        raise ValueError("rank one fails on purpose")
+    return rank
