@@ -139,7 +139,10 @@ def test_the_accelerator_path_writes_wide_gram_blocks_in_the_matmul_and_only_ins
     assert out.dtype == torch.float32
     assert torch.equal(out, torch.bmm(a.float(), b.float()))
     assert torch.equal(mm, a[0].float() @ b[0].float())
-    assert torch.allclose(bad, 0.5 * c + 2.0 * torch.bmm(a.float(), b.float()))
+    # fp32 arithmetic on the widened operands: the fp32 baddbmm's numbers (its fused scaling
+    # rounds otherwise than a separate product and sum, within fp32 rounding of them)
+    assert torch.equal(bad, torch.baddbmm(c, a.float(), b.float(), beta=0.5, alpha=2.0))
+    assert torch.allclose(bad, 0.5 * c + 2.0 * torch.bmm(a.float(), b.float()), atol=1e-5)
     # gone on exit: the CPU path again, and the probe learnt afresh
     assert not has_cpu_kernel("bmm.dtype") and not has_cpu_kernel("baddbmm.dtype")
     assert linear_grams._OUT_DTYPE == {}
