@@ -14,6 +14,9 @@
 #   NEWEST_PYTEST   pytest selection for the newest run only (default: the whole suite but the
 #                   GPU campaign's CPU smoke run, which tests the shell script, not the torch
 #                   release, and takes about 2 minutes; "" runs everything)
+#   OFS_RANKS_START how the tests' gloo ranks start (opacus_fsdp_sync.testing.spawn): forked
+#                   from a server that has imported torch once ("forkserver", the default), or
+#                   each as a fresh interpreter ("spawn", about 3.5 s more per distributed test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUIREMENTS=requirements

@@ -333,3 +333,37 @@ def test_embedding_norm_reads_nothing_back_to_the_host():
     syncing = {"_unique2", "unique_dim", "unique_consecutive", "nonzero", "_local_scalar_dense"}
     assert not ops.names & syncing, ops.names & syncing
     assert "sort" in ops.names
+
+
+def test_readers_of_one_input_share_its_scaled_copy_bit_for_bit(monkeypatch):
+    """gate and up (inputs narrower than outputs) scale their one input once, the same tensor."""
+    from opacus_fsdp_sync.layers import linear
+    from opacus_fsdp_sync.one_backward.step import clipped_gradients
+
+    torch.manual_seed(0)
+    n, t, d = 3, 5, 4
+    gate, up, down = nn.Linear(d, 9, bias=False), nn.Linear(d, 9, bias=True), nn.Linear(9, d)
+    a = torch.randn(n, t, d)
+    hidden = torch.randn(n, t, 9)
+    grads = [torch.randn(n, t, 9), torch.randn(n, t, 9), torch.randn(n, t, d)]
+    kept = [(gate, [a], grads[0]), (up, [a], grads[1]), (down, [hidden], grads[2])]
+    coef = torch.rand(n)
+    calls = []
+    scale_rows = linear.scale_rows
+
+    def counted(x, scale, dtype=None):
+        calls.append(x)
+        return scale_rows(x, scale, dtype)
+
+    monkeypatch.setattr(linear, "scale_rows", counted)
+    got = clipped_gradients(kept, coef, "sum", type)
+    assert len(calls) == 2  # a once for gate and up, down's output gradient once
+    assert calls[0] is a and calls[1] is grads[2]
+    calls.clear()
+    for layer, inputs, g in kept:  # outside the block: each layer scales its own operand
+        want = linear.linear_clipped_grad(layer, inputs[0], g, coef)
+        for name, w in want.items():
+            assert torch.equal(got[(id(layer), name)][2], w)
+    assert len(calls) == 3
+    ref = torch.einsum("n,nto,nti->oi", coef, grads[1], a)
+    assert torch.allclose(got[(id(up), "weight")][2], ref, atol=1e-6)

@@ -31,8 +31,10 @@ differs); ``fast_norms=False`` in :class:`~opacus_fsdp_sync.options.GhostOptions
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +80,38 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+#: The scaled inputs shared within :func:`shared_scaled_inputs` (None outside it).
+_SCALED_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "scaled_inputs", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_scaled_inputs() -> Iterator[None]:
+    """Within it, ``Linear`` layers that scale one input by one scale share the scaled copy.
+
+    A Llama block's ``gate`` and ``up`` projections read one input, narrower than their outputs,
+    so :func:`linear_clipped_grad` scales that input for each: inside this block it is scaled
+    once, the same tensor (bit for bit what each would compute), and kept until the block ends.
+    """
+    token = _SCALED_INPUTS.set({})
+    try:
+        yield
+    finally:
+        _SCALED_INPUTS.reset(token)
+
+
+def _scaled_input(a: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale_rows(a, scale, dtype)``, shared within :func:`shared_scaled_inputs`."""
+    memo = _SCALED_INPUTS.get()
+    if memo is None or type(a) is not torch.Tensor:
+        return scale_rows(a, scale, dtype)
+    key = (a.data_ptr(), a.device, a.dtype, tuple(a.shape), tuple(a.stride()), id(scale), dtype)
+    if key not in memo:  # a and scale are held with it: neither address can be reused meanwhile
+        memo[key] = (a, scale, scale_rows(a, scale, dtype))
+    return memo[key][2]
+
+
 def linear_clipped_grad(
     layer: nn.Linear, a: torch.Tensor, g: torch.Tensor, scale: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -85,7 +119,8 @@ def linear_clipped_grad(
 
     One matmul over every token. The per-sample factors scale the narrower of the two operands
     (the input for a wide head, the output gradient for a down projection), folded into the cast
-    of the input to ``g``'s dtype where the input is scaled.
+    of the input to ``g``'s dtype where the input is scaled; a scaled input is shared by the
+    layers that read it inside :func:`shared_scaled_inputs`.
 
     Args:
         layer: The layer.
@@ -95,7 +130,7 @@ def linear_clipped_grad(
     """
     bias = layer.bias is not None
     if a.shape[-1] < g.shape[-1]:
-        a = scale_rows(a, scale, g.dtype)
+        a = _scaled_input(a, scale, g.dtype)
         out = {"weight": _flat(g).t() @ _flat(a)}
         if bias:  # per sample, then weighted: never the whole scaled gradient
             wide = torch.promote_types(g.dtype, torch.float32)

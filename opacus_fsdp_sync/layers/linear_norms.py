@@ -273,7 +273,9 @@ class LinearNormSampler:
                 applied as the hooks apply it (a multiplication of the finished norm).
 
         Returns:
-            One dict per job, in order.
+            One dict per job, in order. The jobs no group takes are contracted one by one and
+            their ``clamp``/``sqrt``/scale taken together (:func:`finish_tails`), bit for bit
+            the per-layer route's numbers.
         """
         out: list[dict | None] = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
@@ -285,10 +287,18 @@ class LinearNormSampler:
             if len(group) > 1 and _may_batch(group):
                 for i, norms in zip(members, self._finish_group(group, scale)):
                     out[i] = norms
+        # the rest job by job, their clamp/sqrt/scale together (finish_tails: the same numbers)
+        owners: list[tuple[int, torch.Tensor]] = []
+        squares: list[torch.Tensor] = []
         for i, job in enumerate(jobs):
             if out[i] is None:
-                norms = self.finish(job)
-                out[i] = norms if scales[i] == 1 else {p: n * scales[i] for p, n in norms.items()}
+                out[i] = {}
+                for p, sq in self.finish_squares(job).items():
+                    owners.append((i, p))
+                    squares.append(sq)
+        tails = finish_tails(squares, [scales[i] for i, _ in owners])
+        for (i, p), norm in zip(owners, tails):
+            out[i][p] = norm
         return out
 
     def batchable(self, job: GramJob) -> bool:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..layers import room_for, room_named
-from ..layers.linear import clipped_sum
+from ..layers.linear import clipped_sum, shared_scaled_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -65,34 +65,35 @@ def clipped_gradients(
             scales[key] = scale * t.shape[0] if loss_reduction == "mean" else scale
         return scales[key]
 
-    for module, inputs, grad_out in kept:
-        if inputs is None:  # per-sample gradients materialised in the first pass
-            first = next(iter(grad_out.values()))
-            for name, g in clipped_sum(grad_out, scale_for(first)).items():
-                _add(out, module, name, g)
-            continue
-        room = room_for(module, type_of(module))
-        scale = scale_for(grad_out)
-        grads = room.clipped_grad_folded(module, inputs, grad_out, scale, fused_kernels)
-        if grads is None:
-            if not room.direct and any(
-                isinstance(p, torch.distributed.tensor.DTensor)
-                for p in module.parameters(recurse=False)
-            ):
-                raise OneBackwardUnavailable(
-                    f"{type(module).__name__} has no direct clipped-gradient formula and its "
-                    "parameters are sharded here"
-                )
-            # the room scales the narrowest operand it can, never more than the output gradient
-            if room.sums_sequence_shards:
-                group = sequence_group(module)
-                grads = room.clipped_grad(module, inputs, grad_out, scale, sequence_group=group)
-            else:
-                grads = room.clipped_grad(module, inputs, grad_out, scale)
-        for name, g in grads.items():
-            p = getattr(module, name, None)
-            if p is not None and p.requires_grad:
-                _add(out, module, name, g)
+    with shared_scaled_inputs():  # gate and up scale their one input once
+        for module, inputs, grad_out in kept:
+            if inputs is None:  # per-sample gradients materialised in the first pass
+                first = next(iter(grad_out.values()))
+                for name, g in clipped_sum(grad_out, scale_for(first)).items():
+                    _add(out, module, name, g)
+                continue
+            room = room_for(module, type_of(module))
+            scale = scale_for(grad_out)
+            grads = room.clipped_grad_folded(module, inputs, grad_out, scale, fused_kernels)
+            if grads is None:
+                if not room.direct and any(
+                    isinstance(p, torch.distributed.tensor.DTensor)
+                    for p in module.parameters(recurse=False)
+                ):
+                    raise OneBackwardUnavailable(
+                        f"{type(module).__name__} has no direct clipped-gradient formula and its "
+                        "parameters are sharded here"
+                    )
+                # the room scales the narrowest operand it can, never more than the output gradient
+                if room.sums_sequence_shards:
+                    group = sequence_group(module)
+                    grads = room.clipped_grad(module, inputs, grad_out, scale, sequence_group=group)
+                else:
+                    grads = room.clipped_grad(module, inputs, grad_out, scale)
+            for name, g in grads.items():
+                p = getattr(module, name, None)
+                if p is not None and p.requires_grad:
+                    _add(out, module, name, g)
     return out
 
 
