@@ -16,7 +16,8 @@
 #                   release, and takes about 2 minutes; "" runs everything)
 #   OFS_RANKS_START how the tests' gloo ranks start (opacus_fsdp_sync.testing.spawn): forked
 #                   from a server that has imported torch once ("forkserver", the default), or
-#                   each as a fresh interpreter ("spawn", about 3.5 s more per distributed test)
+#                   each as a fresh interpreter ("spawn", about 3.5 s more per distributed test,
+#                   each rank with its own string-hash seed, as torchrun starts them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUIREMENTS=requirements

@@ -35,6 +35,56 @@ def test_blocked_contraction_equals_the_full_one(t, block):
     torch.testing.assert_close(gsum, g.sum(1).pow(2).sum(1), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("by_product", [False, True])
+def test_row_blocks_hold_the_diagonal_block_and_the_doubled_rest(by_product, monkeypatch):
+    """Each row block: its diagonal block as the Gram has it, the rest of its row doubled
+    (exactly), so that one dot per row block (the accelerator's row products, or the CPU's
+    products and sums) gives the full contraction."""
+    from opacus_fsdp_sync.layers import linear_grams
+
+    monkeypatch.setattr(linear_grams, "PRODUCT_CONTRACTION", {"cpu"} if by_product else set())
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 10, 5, dtype=torch.float64, generator=gen)
+    g = torch.randn(3, 10, 4, dtype=torch.float64, generator=gen)
+    full = torch.bmm(a, a.mT)
+    got = upper_gram(a, 4)
+    assert [t.shape for t in got] == [(3, 4, 10), (3, 4, 6), (3, 2, 2)]
+    for row, (s, w) in zip(got, row_blocks(10, 4)):
+        plain = torch.bmm(a[:, s : s + w], a[:, s:].mT)  # the same matmul, undoubled
+        assert torch.equal(row[:, :, :w], plain[:, :, :w])
+        assert torch.equal(row[:, :, w:], 2 * plain[:, :, w:])
+        torch.testing.assert_close(plain, full[:, s : s + w, s:], rtol=1e-12, atol=1e-12)
+    total, _ = contract_output_grams(got, g, 4, bias=False)
+    want = (full * torch.bmm(g, g.mT)).sum((1, 2))
+    torch.testing.assert_close(total, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("by_product", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_cached_gram_is_doubled_once_for_all_its_readers(dtype, by_product, monkeypatch):
+    """Three layers read one input through the cache, in row blocks of 4 at T = 10: each norm
+    is the full contraction's (fp64 reference), so the shared Gram's off-diagonal part was
+    doubled exactly once; bf16 inputs take the widened Gram (on CPU a bf16 matmul, widened)."""
+    from opacus_fsdp_sync.layers import linear_grams
+
+    monkeypatch.setattr(linear_grams, "PRODUCT_CONTRACTION", {"cpu"} if by_product else set())
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(2, 10, 8, generator=gen).to(dtype)
+    grads = [torch.randn(2, 10, w, generator=gen).to(dtype) for w in (3, 5, 7)]
+    cache = GramCache(4)
+    for _ in grads:
+        cache.note_input(a)
+    rows = []
+    for g in grads:
+        rows.append(cache.gram(a, 4))
+        got, _ = contract_output_grams(rows[-1], g, 4, bias=False)
+        want = torch.bmm(g.double().mT, a.double()).pow(2).sum((1, 2))
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert all(r is rows[0] for r in rows)  # one Gram, made (and doubled) once
+    assert rows[0][0].dtype == torch.float32 and not cache._grams
+
+
 @pytest.mark.parametrize("block", [0, 3])
 def test_an_empty_batch_gives_empty_norms(block):
     a, g = torch.randn(0, 7, 5), torch.randn(0, 7, 4)

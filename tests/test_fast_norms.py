@@ -181,8 +181,9 @@ def test_one_backward_step_flops_are_the_non_private_step_plus_the_norms(
         extra += 0 if by_product else 2 * B * entries * len(layers)
         blocks = 3 if gram_block else 1
         assert bmm.bmm == (6 + 3) * blocks  # one bmm per row block
-        # per row block, its diagonal block and the rest of its row apart (the last: one)
-        assert bmm.dots == (0 if by_product else 6 * (2 * blocks - 1))
+        # one dot per layer and row block: the input Gram's off-diagonal part is doubled where
+        # it is made (upper_gram), not dotted apart from the diagonal block
+        assert bmm.dots == (0 if by_product else 6 * blocks)
     total_nodp, total_ours = sum(nodp.flops.values()), sum(ours.flops.values())
     print(f"FLOPs: non-private {total_nodp}, one backward {total_ours}, extra {extra}")
     assert total_ours == total_nodp + extra

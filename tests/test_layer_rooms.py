@@ -336,7 +336,11 @@ def test_embedding_norm_reads_nothing_back_to_the_host():
 
 
 def test_readers_of_one_input_share_its_scaled_copy_bit_for_bit(monkeypatch):
-    """gate and up (inputs narrower than outputs) scale their one input once, the same tensor."""
+    """gate and up (inputs narrower than outputs) scale their one input once, the same tensor,
+    dropped after its last reader (a whole-step hand-off computes every layer in one call)."""
+    import gc
+    import weakref
+
     from opacus_fsdp_sync.layers import linear
     from opacus_fsdp_sync.one_backward.step import clipped_gradients
 
@@ -346,22 +350,33 @@ def test_readers_of_one_input_share_its_scaled_copy_bit_for_bit(monkeypatch):
     a = torch.randn(n, t, d)
     hidden = torch.randn(n, t, 9)
     grads = [torch.randn(n, t, 9), torch.randn(n, t, 9), torch.randn(n, t, d)]
-    kept = [(gate, [a], grads[0]), (up, [a], grads[1]), (down, [hidden], grads[2])]
+    # each layer's captured input is its own detached view of the one tensor
+    kept = [(gate, [a.detach()], grads[0]), (up, [a.detach()], grads[1])]
+    kept.append((down, [hidden], grads[2]))
     coef = torch.rand(n)
-    calls = []
-    scale_rows = linear.scale_rows
+    calls, made = [], []
+    scale_rows, clipped = linear.scale_rows, linear.linear_clipped_grad
 
     def counted(x, scale, dtype=None):
         calls.append(x)
-        return scale_rows(x, scale, dtype)
+        out = scale_rows(x, scale, dtype)
+        made.append(weakref.ref(out))
+        return out
+
+    def after_the_last_reader(layer, x, g, scale):
+        if layer is down:  # gate and up are done: their shared copy is gone
+            gc.collect()
+            assert made[0]() is None
+        return clipped(layer, x, g, scale)
 
     monkeypatch.setattr(linear, "scale_rows", counted)
+    monkeypatch.setattr(linear, "linear_clipped_grad", after_the_last_reader)
     got = clipped_gradients(kept, coef, "sum", type)
     assert len(calls) == 2  # a once for gate and up, down's output gradient once
-    assert calls[0] is a and calls[1] is grads[2]
+    assert calls[0] is kept[0][1][0] and calls[1] is grads[2]
     calls.clear()
     for layer, inputs, g in kept:  # outside the block: each layer scales its own operand
-        want = linear.linear_clipped_grad(layer, inputs[0], g, coef)
+        want = clipped(layer, inputs[0], g, coef)
         for name, w in want.items():
             assert torch.equal(got[(id(layer), name)][2], w)
     assert len(calls) == 3

@@ -23,7 +23,6 @@ def test_ranks_see_the_callers_environment_at_each_call(monkeypatch, method):
     assert [r["value"] for r in first] == ["first", "first"]
     assert [r["value"] for r in second] == ["second", "second"]
     assert [r["rank"] for r in second] == [0, 1]
-    assert all(r["threads"] == 1 for r in first + second)
     assert spawn._rank_context().get_start_method() == method
 
 

@@ -86,15 +86,10 @@ def dtensor_linear_norms(rank: int, world: int) -> dict:
 
 
 def environment_probe(rank: int, world: int, name: str) -> dict:
-    """What a rank sees: an environment variable, its thread count and its process's start."""
-    import multiprocessing
+    """What a rank sees: an environment variable, and its rank in the process group."""
+    import os
 
-    return dict(
-        value=__import__("os").environ.get(name),
-        threads=torch.get_num_threads(),
-        start=multiprocessing.get_start_method(allow_none=True),
-        rank=dist.get_rank(),
-    )
+    return dict(value=os.environ.get(name), rank=dist.get_rank())
 
 
 def raise_on_rank_one(rank: int, world: int) -> int:

@@ -80,36 +80,62 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-#: The scaled inputs shared within :func:`shared_scaled_inputs` (None outside it).
+#: The scaled inputs shared within :func:`shared_scaled_inputs` (None outside it), by the memory
+#: of the input they scale (:func:`input_key`: each layer's captured input is its own detached
+#: view of one tensor).
 _SCALED_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "scaled_inputs", default=None
 )
 
 
+def input_key(a: torch.Tensor) -> tuple | None:
+    """What identifies the memory of a plain tensor ``a`` (None for a DTensor: never shared)."""
+    if type(a) is not torch.Tensor:
+        return None
+    return (a.device, a.dtype, a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+
+
+class SharedScaledInputs:
+    """The handle :func:`shared_scaled_inputs` yields: drops an input's copies after its readers."""
+
+    def __init__(self, memo: dict) -> None:
+        self._memo = memo
+
+    def release(self, key: tuple | None) -> None:
+        """Drops the scaled copies of the input whose :func:`input_key` is ``key``."""
+        self._memo.pop(key, None)
+
+
 @contextlib.contextmanager
-def shared_scaled_inputs() -> Iterator[None]:
+def shared_scaled_inputs() -> Iterator[SharedScaledInputs]:
     """Within it, ``Linear`` layers that scale one input by one scale share the scaled copy.
 
     A Llama block's ``gate`` and ``up`` projections read one input, narrower than their outputs,
     so :func:`linear_clipped_grad` scales that input for each: inside this block it is scaled
-    once, the same tensor (bit for bit what each would compute), and kept until the block ends.
+    once, the same tensor (bit for bit what each would compute). The copy is kept until the
+    handle's :meth:`~SharedScaledInputs.release` is called for its input (after the input's
+    last reader) or the block ends.
     """
-    token = _SCALED_INPUTS.set({})
+    memo: dict = {}
+    token = _SCALED_INPUTS.set(memo)
     try:
-        yield
+        yield SharedScaledInputs(memo)
     finally:
         _SCALED_INPUTS.reset(token)
+        memo.clear()
 
 
 def _scaled_input(a: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scale_rows(a, scale, dtype)``, shared within :func:`shared_scaled_inputs`."""
     memo = _SCALED_INPUTS.get()
-    if memo is None or type(a) is not torch.Tensor:
+    key = input_key(a)
+    if memo is None or key is None:
         return scale_rows(a, scale, dtype)
-    key = (a.data_ptr(), a.device, a.dtype, tuple(a.shape), tuple(a.stride()), id(scale), dtype)
-    if key not in memo:  # a and scale are held with it: neither address can be reused meanwhile
-        memo[key] = (a, scale, scale_rows(a, scale, dtype))
-    return memo[key][2]
+    copies = memo.setdefault(key, {"input": a})  # a held: its memory cannot be reused meanwhile
+    which = (id(scale), dtype)
+    if which not in copies:
+        copies[which] = (scale, scale_rows(a, scale, dtype))  # scale held: its id stays its own
+    return copies[which][1]
 
 
 def linear_clipped_grad(

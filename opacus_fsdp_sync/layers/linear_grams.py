@@ -17,10 +17,14 @@ differs).
 Precision and traffic: every Gram piece is held in fp32 (fp64 for fp64 inputs). On CUDA the
 matmul writes fp32 itself from fp16/bf16 inputs (``out_dtype``, accumulated in fp32); elsewhere
 (torch has no such CPU kernel) each row block is widened once after its matmul, and an input
-Gram's once for all the layers that read it. Two row blocks are contracted by batched dot
-products (a ``bmm`` of ``1 x K`` by ``K x 1`` per row, over the row block's diagonal block,
-which counts once, and over the rest of the row, which counts twice): no elementwise product is
-written, and each Gram element is read once. On CPU, where that ``bmm`` is an order of
+Gram's once for all the layers that read it. With several row blocks, the off-diagonal
+columns of each input Gram row block are doubled in place where the block is made (exact: a
+power of two), once for all the layers that read it: one elementwise pass over that part of the
+input Gram. Each layer then contracts a row block by one batched dot product per row (a ``bmm``
+of ``1 x K`` by ``K x 1``), with no elementwise product written and each element of its own
+Gram read once, instead of dotting the diagonal block and the rest of the row apart and adding
+twice the second: four ops (GPU launches) fewer per layer and row block with an off-diagonal
+part, for one op per input row block. On CPU, where that ``bmm`` is an order of
 magnitude slower than multiplying and summing, the dot products are ``vecdot``s instead
 (:data:`PRODUCT_CONTRACTION`).
 
@@ -137,7 +141,13 @@ def try_wide_bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
 
 
 def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
-    """Row blocks of ``x x^T`` per sample, in fp32 (fp64 for fp64).
+    """Row blocks of ``x x^T`` per sample, in fp32 (fp64 for fp64), weighted for contraction.
+
+    Row block ``i`` holds rows ``s_i .. s_i + w_i`` against columns ``s_i .. T``: its first
+    ``w_i`` columns are the diagonal block, as they are; the rest, which stand for themselves
+    and their mirror image below the diagonal, are doubled (exactly), so that
+    :func:`contract_output_grams` contracts each row block in one pass. One block (``block``
+    0 or ``>= T``) is the full Gram, as it is.
 
     Args:
         x: ``(N, T, d)``.
@@ -150,7 +160,13 @@ def upper_gram(x: torch.Tensor, block: int) -> list[torch.Tensor]:
     blocks = row_blocks(x.shape[1], block)
     if len(blocks) == 1:  # the full Gram: no slicing views (the same matmul)
         return [wide_bmm(x, xt)]
-    return [wide_bmm(x[:, s : s + w], xt[:, :, s:]) for s, w in blocks]
+    out = []
+    for s, w in blocks:
+        row = wide_bmm(x[:, s : s + w], xt[:, :, s:])
+        if row.shape[2] > w:
+            row[:, :, w:].mul_(2)  # the off-diagonal part counts twice
+        out.append(row)
+    return out
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
@@ -187,23 +203,17 @@ def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _by_product(a):
         return torch.linalg.vecdot(a.reshape(n, k), b.reshape(n, k))
     if a.dim() == 3 and a.shape[1] > 1:
-        return _row_dots(a, b, 0, a.shape[2])
+        return _row_dots(a, b)
     return torch.bmm(a.reshape(n, 1, k), b.reshape(n, k, 1)).view(n)
 
 
-def _row_dots(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """``(N,)``: the batched dot of columns ``lo .. hi`` of ``(N, w, K)`` row blocks.
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: the batched dot of ``(N, w, K)`` row blocks, one batched matmul of row pairs.
 
-    The columns are views (``N w`` rows of ``hi - lo`` values, ``K`` apart), read once without
-    a copy: one batched matmul of ``N w`` row pairs, or a ``vecdot`` along the rows where
-    :data:`PRODUCT_CONTRACTION` says so.
+    ``N w`` products of a ``1 x K`` row by a ``K x 1`` row, summed over the ``w`` rows of each
+    sample.
     """
-    n, w = a.shape[:2]
-    k = hi - lo
-    if lo != 0 or hi != a.shape[2]:  # else the whole rows: no slicing views
-        a, b = a[:, :, lo:hi], b[:, :, lo:hi]
-    if _by_product(a):
-        return torch.linalg.vecdot(a, b).sum(1)
+    n, w, k = a.shape
     rows = torch.bmm(a.reshape(n * w, 1, k), b.reshape(n * w, k, 1))
     return rows.view(n, w).sum(1)
 
@@ -214,8 +224,8 @@ def contract_output_grams(
     """Squared per-sample norms from the row blocks of ``G G^T``, each dropped after its use.
 
     Args:
-        aat: :func:`upper_gram` of the layer input with the same ``block``, or None when the
-            weight is frozen.
+        aat: :func:`upper_gram` of the layer input with the same ``block`` (off-diagonal parts
+            doubled), or None when the weight is frozen.
         g: The output gradient ``(N, T, d_out)``.
         block: Tokens per row block (0: full Grams).
         bias: Whether to return the bias term ``|sum_t g_t|^2`` (the sum of ``G G^T``).
@@ -233,10 +243,7 @@ def contract_output_grams(
     blocks = row_blocks(g.shape[1], block)
     for a_i, (s, w) in zip(aat, blocks):
         ggt = wide_bmm(g, gt) if len(blocks) == 1 else wide_bmm(g[:, s : s + w], gt[:, :, s:])
-        a_i = a_i.to(ggt.dtype)
-        if ggt.shape[2] > w:  # the diagonal block once, the rest of the row twice
-            part = _row_dots(a_i, ggt, 0, w) + 2 * _row_dots(a_i, ggt, w, ggt.shape[2])
-        else:
-            part = batched_dot(a_i, ggt)
+        # the input Gram's off-diagonal part is doubled already (upper_gram): one pass
+        part = batched_dot(a_i.to(ggt.dtype), ggt)
         w_sq = part if w_sq is None else w_sq + part
     return w_sq, b_sq

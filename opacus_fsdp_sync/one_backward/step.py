@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
 
 from ..layers import room_for, room_named
-from ..layers.linear import clipped_sum, shared_scaled_inputs
+from ..layers.linear import clipped_sum, input_key, shared_scaled_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ def clipped_gradients(
             scales[key] = scale * t.shape[0] if loss_reduction == "mean" else scale
         return scales[key]
 
-    with shared_scaled_inputs():  # gate and up scale their one input once
+    # gate and up scale their one input once; the copy goes after the input's last reader
+    readers = Counter(input_key(inputs[0]) for _, inputs, _ in kept if inputs)
+    with shared_scaled_inputs() as shared:
         for module, inputs, grad_out in kept:
             if inputs is None:  # per-sample gradients materialised in the first pass
                 first = next(iter(grad_out.values()))
@@ -94,6 +97,11 @@ def clipped_gradients(
                 p = getattr(module, name, None)
                 if p is not None and p.requires_grad:
                     _add(out, module, name, g)
+            if inputs:
+                key = input_key(inputs[0])
+                readers[key] -= 1
+                if not readers[key]:
+                    shared.release(key)
     return out
 
 

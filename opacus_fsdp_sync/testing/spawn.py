@@ -6,11 +6,15 @@ judges from the files only, and kills every rank that outlives the timeout.
 
 Ranks are forked from a fork server that has imported torch, opacus and this package once
 (:data:`PRELOAD`) and has run nothing: no thread pool, no process group. A rank then starts in
-well under a second instead of the four that importing them costs each fresh interpreter. Each
+well under a second instead of the 3.5 that importing them costs each fresh interpreter. Each
 rank takes the caller's environment as it is at the call (a fork server's children would
-otherwise see the server's, fixed when it started); what the preloaded modules read from the
-environment at import time is the server's. ``OFS_RANKS_START=spawn`` starts every rank as a
-fresh interpreter instead, as does a platform without ``fork``.
+otherwise see the server's, fixed when it started), once its function and arguments are
+unpickled: what the preloaded modules, and any module imported while unpickling, read from the
+environment at import time is the server's. Forked ranks also share the server's string-hash
+seed, where ranks that ``torchrun`` starts each draw their own: a rank-dependent iteration
+order of a set of strings would go unseen here. ``OFS_RANKS_START=spawn`` starts every rank as
+a fresh interpreter instead, as ``torchrun`` does (and as a platform without ``fork`` does);
+the suites launched through ``torchrun`` (the profiling suite, the trainer) always do.
 """
 
 from __future__ import annotations
