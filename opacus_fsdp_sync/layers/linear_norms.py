@@ -83,7 +83,7 @@ class GramCache:
         return resolve_block(self.block, tensors[0].device)
 
     def gram(self, activation: torch.Tensor, block: int) -> list[torch.Tensor]:
-        """Row blocks of ``A A^T`` per sample (:func:`.linear_grams.upper_gram`).
+        """Row blocks of ``A A^T`` per sample, off-diagonal parts doubled (``upper_gram``).
 
         Computed once while more readers (asking for the same ``block``) are to come.
         """
