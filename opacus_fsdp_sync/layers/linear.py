@@ -49,6 +49,7 @@ from .linear_norms import (
     GramCache,
     linear_per_sample_grads,
     make_linear_norm_sampler,
+    memory_key,
     per_sample_norms,
 )
 from .registry import LayerRoom, register_layer, scale_rows
@@ -90,9 +91,7 @@ _SCALED_INPUTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 def input_key(a: torch.Tensor) -> tuple | None:
     """What identifies the memory of a plain tensor ``a`` (None for a DTensor: never shared)."""
-    if type(a) is not torch.Tensor:
-        return None
-    return (a.device, a.dtype, a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+    return memory_key(a) if type(a) is torch.Tensor else None
 
 
 class SharedScaledInputs:

@@ -43,7 +43,7 @@ def _plain(*tensors: torch.Tensor) -> bool:
     return all(type(t) is torch.Tensor for t in tensors)
 
 
-def _key(t: torch.Tensor) -> tuple:
+def memory_key(t: torch.Tensor) -> tuple:
     """Identifies a tensor's memory (the readers keep it alive, so no other tensor can reuse it)."""
     return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
 
@@ -66,7 +66,7 @@ class GramCache:
     def note_input(self, activation: torch.Tensor) -> None:
         """Forward hook side: one more ``Linear`` reads ``activation``."""
         if activation.dim() == 3 and type(activation) is torch.Tensor:  # not a DTensor
-            k = _key(activation)
+            k = memory_key(activation)
             self._readers[k] = self._readers.get(k, 0) + 1
             self._total[k] = self._total.get(k, 0) + 1
 
@@ -74,7 +74,7 @@ class GramCache:
         """How many ``Linear`` layers read ``activation`` in this backward (at least 1)."""
         if type(activation) is not torch.Tensor:
             return 1
-        return max(1, self._total.get(_key(activation), 0))
+        return max(1, self._total.get(memory_key(activation), 0))
 
     def block_for(self, *tensors: torch.Tensor) -> int:
         """The row block for Grams of ``tensors``: 0 (full) if any is not a plain tensor."""
@@ -89,7 +89,7 @@ class GramCache:
         """
         if type(activation) is not torch.Tensor:  # a DTensor: not cached
             return upper_gram(activation, block)
-        k = _key(activation)
+        k = memory_key(activation)
         left = self._readers.get(k, 0)
         g = self._grams.pop(k, None)
         if g is None or g[0] != block:
@@ -105,7 +105,7 @@ class GramCache:
         """A reader that will not ask for the Gram (it took per-sample gradients instead)."""
         if type(activation) is not torch.Tensor:
             return
-        k = _key(activation)
+        k = memory_key(activation)
         left = self._readers.get(k, 0)
         if left > 1:
             self._readers[k] = left - 1
@@ -281,7 +281,7 @@ class LinearNormSampler:
         groups: dict[tuple, list[int]] = {}
         for i, job in enumerate(jobs):
             if self.batchable(job):
-                groups.setdefault((_key(job.a), scales[i]), []).append(i)
+                groups.setdefault((memory_key(job.a), scales[i]), []).append(i)
         for (_, scale), members in groups.items():
             group = [jobs[i] for i in members]
             if len(group) > 1 and _may_batch(group):
