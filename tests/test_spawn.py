@@ -24,6 +24,8 @@ def test_ranks_see_the_callers_environment_at_each_call(monkeypatch, method):
     assert [r["value"] for r in second] == ["second", "second"]
     assert [r["rank"] for r in second] == [0, 1]
     assert spawn._rank_context().get_start_method() == method
+    # the ranks really came from the fork server (its preload), or from fresh interpreters
+    assert all(r["preloaded"] == (method == "forkserver") for r in first + second)
 
 
 @pytest.mark.distributed

@@ -86,10 +86,13 @@ def dtensor_linear_norms(rank: int, world: int) -> dict:
 
 
 def environment_probe(rank: int, world: int, name: str) -> dict:
-    """What a rank sees: an environment variable, and its rank in the process group."""
+    """What a rank sees: an environment variable, its rank, and whether the fork server's
+    preload is in it (a module nothing on this rank's own import path loads)."""
     import os
+    import sys
 
-    return dict(value=os.environ.get(name), rank=dist.get_rank())
+    preloaded = "transformers.models.llama.modeling_llama" in sys.modules
+    return dict(value=os.environ.get(name), rank=dist.get_rank(), preloaded=preloaded)
 
 
 def raise_on_rank_one(rank: int, world: int) -> int:
