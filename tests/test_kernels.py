@@ -207,3 +207,37 @@ def test_compiled_kernels_on_cuda(dtype, shape):
     ulp = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     assert got.dtype == dtype
     assert (((got.double() - want).abs() - ulp * want.abs()) / mag).max().item() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_kernels_on_cuda(dtype, monkeypatch):
+    """The compiled row kernels: scaling bit for bit torch's; dots within fp32 rounding."""
+    from opacus_fsdp_sync.layers import linear_grams
+    from opacus_fsdp_sync.layers.kernels import rows
+    from opacus_fsdp_sync.layers.registry import scale_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in [(3, 300, 200), (8, 1024, 2048), (1, 7, 5)]:
+        t = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+        coef = torch.rand(shape[0], device="cuda", generator=gen)
+        for out in (dtype, torch.bfloat16, torch.float32):
+            got = rows.scale_rows_kernel(t, coef, out)
+            assert got is not None
+            monkeypatch.setenv(rows.ENV, "0")
+            want = scale_rows(t, coef, out)
+            monkeypatch.delenv(rows.ENV)
+            assert got.dtype == want.dtype and torch.equal(got, want), (shape, out)
+    for shape in [(8, 1024, 1024), (8, 512, 1024), (3, 37, 41), (1, 1, 5)]:
+        a = torch.randn(*shape, device="cuda", generator=gen)
+        b = torch.randn(*shape, device="cuda", generator=gen)
+        got = rows.batched_dot_kernel(a, b)
+        assert got is not None and got.dtype == torch.float32
+        exact = (a.double() * b.double()).flatten(1).sum(1)
+        mag = (a.double().abs() * b.double().abs()).flatten(1).sum(1)
+        assert ((got.double() - exact).abs() / mag).max().item() <= 1e-6
+        monkeypatch.setenv(rows.ENV, "0")
+        torch.testing.assert_close(got, linear_grams.batched_dot(a, b), rtol=1e-5, atol=0)
+        monkeypatch.delenv(rows.ENV)

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.workers_row_kernels import CASES as ROW_CASES
+
 #: Relative tolerance of a fp32 accumulation against another summation order.
 RTOL_FP32 = 2e-5
 
@@ -293,6 +295,7 @@ CASES = {
     "dtensor_local_shards": case_dtensor_local_shards,
     "engine_one_backward": case_engine_one_backward,
     "engine_tied_llama": case_engine_tied_llama,
+    **ROW_CASES,
 }
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .kernels.rows import scale_rows_kernel
+
 
 class Unavailable:
     """An explicit "this room has none" in place of a function; calling it raises.
@@ -119,8 +121,13 @@ class LayerRoom:
 def scale_rows(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None):
     """``t`` with row n (along dim 0) multiplied by ``scale[n]``, in ``dtype`` (default ``t``'s).
 
-    One kernel: the product is formed in fp32 and rounded once to ``dtype``.
+    One kernel: the product is formed in fp32 and rounded once to ``dtype``; on CUDA a Triton
+    kernel that computes the same bits (:func:`.kernels.rows.scale_rows_kernel`: torch's
+    broadcast, casting multiply is not vectorised there).
     """
+    fast = scale_rows_kernel(t, scale, dtype or t.dtype)
+    if fast is not None:
+        return fast
     shape = (t.shape[0],) + (1,) * (t.dim() - 1)
     out = torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
     return torch.mul(t, scale.view(shape), out=out)

@@ -6,6 +6,8 @@
 - :mod:`.triton_linear`: the Triton kernels (imported only when Triton imports);
 - :mod:`.linear`: what the ``Linear`` room calls (squared norms, clipped gradients);
 - :mod:`.availability`: whether Triton imports and whether the kernels apply to a tensor.
+- :mod:`.rows` / :mod:`.triton_rows`: the row kernels (the coefficients' row scaling and the
+  Gram dots), on by default for large CUDA tensors (``OPACUS_FSDP_SYNC_ROW_KERNELS``).
 
 The option is :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels` (True: on CUDA, and
 on CPU under Triton's interpreter; None, the default, and False: the torch path, measured faster

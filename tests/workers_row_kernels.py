@@ -1,0 +1,149 @@
+"""Interpreter cases of the row kernels (:mod:`opacus_fsdp_sync.layers.kernels.rows`).
+
+Run by :mod:`tests.workers_kernels` under ``TRITON_INTERPRET=1``; each case turns the kernels on
+for the CPU (``OPACUS_FSDP_SYNC_ROW_KERNELS=1``) and restores the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+import torch
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@contextlib.contextmanager
+def row_kernels(value: str):
+    """``OPACUS_FSDP_SYNC_ROW_KERNELS=value`` within the block."""
+    from opacus_fsdp_sync.layers.kernels import rows
+
+    old = os.environ.get(rows.ENV)
+    os.environ[rows.ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[rows.ENV]
+        else:
+            os.environ[rows.ENV] = old
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """Counts the launches of each row kernel: ``{"scale_rows": n, "batched_dot": m}``."""
+    from opacus_fsdp_sync.layers.kernels import triton_rows
+
+    counts = {"scale_rows": 0, "batched_dot": 0}
+    originals = {name: getattr(triton_rows, name) for name in counts}
+
+    def wrap(name):
+        def launch(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return launch
+
+    for name in counts:
+        setattr(triton_rows, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(triton_rows, name, fn)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INT[t.element_size()])
+
+
+def case_scale_rows_bits():
+    """The kernel's rows equal torch's broadcast multiply bit for bit (every dtype pair,
+    partial blocks, one sample, an empty batch, values that round to even and overflow)."""
+    from opacus_fsdp_sync.layers.kernels import rows
+    from opacus_fsdp_sync.layers.registry import scale_rows
+
+    gen = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    checked = 0
+    for src in dtypes:
+        for dst in dtypes:
+            for shape in [(3, 37, 21), (1, 5, 3), (0, 4, 4), (2, 130)]:
+                t = (torch.randn(*shape, generator=gen) * 300).to(src)
+                scale = torch.rand(shape[0], generator=gen) * 300
+                with row_kernels("1"), counted_launches() as launches:
+                    got = scale_rows(t, scale, dst)
+                assert launches["scale_rows"] == 1, (src, dst, shape)
+                with row_kernels("0"):
+                    want = scale_rows(t, scale, dst)
+                assert got.dtype == want.dtype == dst and got.shape == want.shape
+                assert torch.equal(_bits(got), _bits(want)), (src, dst, shape)
+                checked += 1
+    fp64 = torch.randn(2, 3, dtype=torch.float64)
+    with row_kernels("1"):
+        assert rows.scale_rows_kernel(fp64, torch.ones(2), torch.float64) is None
+        assert rows.scale_rows_kernel(torch.randn(3, 4).t(), torch.ones(4), torch.float32) is None
+    return f"{checked} dtype and shape pairs bit for bit; fp64 and strided inputs declined"
+
+
+def case_batched_dot():
+    """Gram-block dots from the kernel within fp32 rounding of fp64 and of the torch path."""
+    from opacus_fsdp_sync.layers import linear_grams
+
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for shape in [(3, 37, 41), (2, 1, 300), (1, 4, 1000), (0, 5, 5), (4, 9, 9)]:
+        a, b = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+        with row_kernels("1"), counted_launches() as launches:
+            got = linear_grams.batched_dot(a, b)
+        assert launches["batched_dot"] == 1 and got.dtype == torch.float32, shape
+        with row_kernels("0"):
+            torch.testing.assert_close(got, linear_grams.batched_dot(a, b), rtol=1e-5, atol=1e-5)
+        exact = (a.double() * b.double()).flatten(1).sum(1)
+        mag = (a.double().abs() * b.double().abs()).flatten(1).sum(1).clamp(min=1e-30)
+        err = ((got.double() - exact).abs() / mag).max().item() if exact.numel() else 0.0
+        assert err <= 1e-6, (shape, err)
+        worst = max(worst, err)
+    return f"largest error {worst:.1e} of the sum of |terms|"
+
+
+def case_engine_row_kernels():
+    """A one-backward step with the row kernels on: the clip-each-sample loop's parameters."""
+    from opacus_fsdp_sync import PrivacyEngine
+    from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
+    from tests.models import SharedInputSeqNet, seq_sample_loss
+    from tests.private import make_private
+
+    b, t, d = 4, 10, 16
+    torch.manual_seed(0)
+    base = SharedInputSeqNet(d)
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(b, t, d, generator=gen), torch.randint(0, 8, (b, t), generator=gen)
+    _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x, y, 1.0)
+    clip = norms.median().item()  # half the samples clipped
+    model = copy.deepcopy(base)
+    engine = PrivacyEngine(per_sample_grads=False, tune_norms=False)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), b, clip, "ghost")
+    with row_kernels("1"), counted_launches() as launches:
+        logits = gsm(x)
+        loss = crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(b, t))
+        loss.backward()
+        opt.step()
+    assert engine.one_backward
+    assert launches["scale_rows"] >= 5 and launches["batched_dot"] >= 6, launches
+    ref = copy.deepcopy(base)
+    clip_each_sample_step(ref, seq_sample_loss, x, y, clip, 0.5)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    err = max((got[k] - want[k]).abs().max().item() for k in got)
+    moved = max((got[k] - p).abs().max().item() for k, p in base.named_parameters())
+    assert err <= 1e-6 and moved > 1e-3, (err, moved)
+    return f"{launches}; max parameter difference to the loop {err:.1e} (update {moved:.1e})"
+
+
+CASES = {
+    "rows_scale_bits": case_scale_rows_bits,
+    "rows_batched_dot": case_batched_dot,
+    "rows_engine_step": case_engine_row_kernels,
+}
