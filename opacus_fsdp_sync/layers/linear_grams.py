@@ -196,11 +196,12 @@ def batched_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     ``a`` and ``b`` are contiguous ``(N, ...)`` tensors of one shape and dtype; the route is
     :data:`PRODUCT_CONTRACTION`'s for their device. Large fp32 operands on CUDA take a Triton
-    kernel instead (:func:`.kernels.rows.batched_dot_kernel`, equal to rounding). Off it, a Gram block (``(N, w, K)``, more
-    than one row) is contracted row by row (:func:`_row_dots`): one ``1 x (w K)`` by
-    ``(w K) x 1`` product per sample ran as a matrix-vector kernel with too few blocks for the
-    GPU: 158 us a call on an H100 (about 100 GB/s for a Gram block of 512 rows at batch 8),
-    where row products of the same size took 12 us (``results/ledger/row-dots/README.md``).
+    kernel instead (:func:`.kernels.rows.batched_dot_kernel`, equal to rounding). Otherwise,
+    off the product route, a Gram block (``(N, w, K)``, more than one row) is contracted row
+    by row (:func:`_row_dots`): one ``1 x (w K)`` by ``(w K) x 1`` product per sample ran as a
+    matrix-vector kernel with too few blocks for the GPU: 158 us a call on an H100 (about 100
+    GB/s for a Gram block of 512 rows at batch 8), where row products of the same size took
+    12 us (``results/ledger/row-dots/README.md``).
     """
     fast = batched_dot_kernel(a, b)  # CUDA, fp32: a Triton kernel (.kernels.rows)
     if fast is not None:
