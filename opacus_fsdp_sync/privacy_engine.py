@@ -25,6 +25,7 @@ from .empty_batch import EmptyBatchStandIn
 from .hooks import ghost_class
 from .hooks.ghost import step_hooks
 from .layers.kernels import describe as describe_kernels
+from .layers.kernels.rows import describe as describe_row_kernels
 from .layers.linear_grams import describe_block
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import optimizer_ops
@@ -151,6 +152,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         """
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
+            describe_row_kernels()  # and OPACUS_FSDP_SYNC_ROW_KERNELS
             if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
                 mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
                 kwargs["grad_sample_mode"] = mode
@@ -299,7 +301,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
         found = detect_api(module)
         record = found.record
         device = _first_device(_unwrap(module))
-        logger.info("[Ghost] Linear kernels: %s", describe_kernels(opts.fused_kernels, device))
+        logger.info(
+            "[Ghost] Linear kernels: %s; %s",
+            describe_kernels(opts.fused_kernels, device),
+            describe_row_kernels(),
+        )
         handoff = plan_handoff(module, found, opts)
         keep = False
         if record.capabilities.keep_unsharded and opts.sync_optimization:

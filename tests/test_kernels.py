@@ -214,30 +214,50 @@ def test_compiled_kernels_on_cuda(dtype, shape):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_row_kernels_on_cuda(dtype, monkeypatch):
-    """The compiled row kernels: scaling bit for bit torch's; dots within fp32 rounding."""
+    """The compiled row kernels: scaling bit for bit torch's (special values and subnormals
+    too); dots within fp32 rounding of fp64."""
     from opacus_fsdp_sync.layers import linear_grams
     from opacus_fsdp_sync.layers.kernels import rows
     from opacus_fsdp_sync.layers.registry import scale_rows
+    from tests.workers_row_kernels import special_rows
+
+    def both(fn, *args):
+        monkeypatch.setenv(rows.ENV, "1")  # every size, not auto's
+        got = fn(*args)
+        monkeypatch.setenv(rows.ENV, "0")
+        return got, fn(*args)
+
+    def bits(t):
+        return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for shape in [(3, 300, 200), (8, 1024, 2048), (1, 7, 5)]:
-        t = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
-        coef = torch.rand(shape[0], device="cuda", generator=gen)
-        for out in (dtype, torch.bfloat16, torch.float32):
-            got = rows.scale_rows_kernel(t, coef, out)
-            assert got is not None
-            monkeypatch.setenv(rows.ENV, "0")
-            want = scale_rows(t, coef, out)
-            monkeypatch.delenv(rows.ENV)
-            assert got.dtype == want.dtype and torch.equal(got, want), (shape, out)
+    t_special, s_special = special_rows()
+    subnormal = torch.tensor([[1e-40, -3e-41, 5e-39, 1.0], [1e-40, 2e-45, 1e-5, 0.0]])
+    cases = [
+        (torch.randn(*shape, device="cuda", generator=gen).to(dtype) * 300,
+         torch.rand(shape[0], device="cuda", generator=gen) * 300)
+        for shape in [(3, 300, 200), (8, 1024, 2048), (1, 7, 5)]
+    ] + [
+        (t_special.cuda().to(dtype), s_special.cuda()),
+        (subnormal.cuda().to(dtype), torch.tensor([float("inf"), 1e-3], device="cuda")),
+    ]  # fmt: skip
+    for t, coef in cases:
+        monkeypatch.setenv(rows.ENV, "1")
+        assert rows.scale_rows_kernel(t, coef, dtype) is not None  # the kernel runs
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            got, want = both(scale_rows, t, coef, out)
+            assert got.dtype == want.dtype == out
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan), (t.shape, out)
+            assert torch.equal(bits(got[~nan]), bits(want[~nan])), (t.shape, out)
+    monkeypatch.setenv(rows.ENV, "1")
     for shape in [(8, 1024, 1024), (8, 512, 1024), (3, 37, 41), (1, 1, 5)]:
         a = torch.randn(*shape, device="cuda", generator=gen)
         b = torch.randn(*shape, device="cuda", generator=gen)
-        got = rows.batched_dot_kernel(a, b)
-        assert got is not None and got.dtype == torch.float32
+        assert rows.batched_dot_kernel(a, b) is not None
+        got, want = both(linear_grams.batched_dot, a, b)
+        assert got.dtype == torch.float32
         exact = (a.double() * b.double()).flatten(1).sum(1)
         mag = (a.double().abs() * b.double().abs()).flatten(1).sum(1)
         assert ((got.double() - exact).abs() / mag).max().item() <= 1e-6
-        monkeypatch.setenv(rows.ENV, "0")
-        torch.testing.assert_close(got, linear_grams.batched_dot(a, b), rtol=1e-5, atol=0)
-        monkeypatch.delenv(rows.ENV)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.workers_row_kernels import CASES as ROW_CASES
+from tests.workers_row_kernels import seq_loss, seq_net_step_against_the_loop
 
 #: Relative tolerance of a fp32 accumulation against another summation order.
 RTOL_FP32 = 2e-5
@@ -214,35 +215,17 @@ def case_dtensor_local_shards():
 def case_engine_one_backward():
     """The engine with ``fused_kernels=True``: the clip-each-sample loop's parameters."""
     from opacus_fsdp_sync import PrivacyEngine
-    from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
-    from tests.models import SharedInputSeqNet, seq_sample_loss
-    from tests.private import make_private
 
-    b, t, d = 4, 10, 16
-    torch.manual_seed(0)
-    base = SharedInputSeqNet(d)
-    gen = torch.Generator().manual_seed(5)
-    x, y = torch.randn(b, t, d, generator=gen), torch.randint(0, 8, (b, t), generator=gen)
-    _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x, y, 1.0)
-    clip = norms.median().item()
-    model = copy.deepcopy(base)
+    def step(gsm, opt, crit, x, y):
+        loss = seq_loss(gsm, crit, x, y)
+        with OpLog() as log:
+            loss.backward()
+        opt.step()
+        norm_ops = log.ops.count("ghost_norm_linear") + log.ops.count("per_sample_norm_linear")
+        assert norm_ops == 6 and log.ops.count("clipped_grad_linear") == 6, log.ops
+
     engine = PrivacyEngine(fused_kernels=True, per_sample_grads=False, tune_norms=False)
-    gsm, opt, crit, _ = make_private(engine, model, (x, y), b, clip, "ghost")
-    logits = gsm(x)
-    loss = crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(b, t))
-    with OpLog() as log:
-        loss.backward()
-    opt.step()
-    assert engine.one_backward
-    norm_ops = log.ops.count("ghost_norm_linear") + log.ops.count("per_sample_norm_linear")
-    assert norm_ops == 6 and log.ops.count("clipped_grad_linear") == 6, log.ops
-    ref = copy.deepcopy(base)
-    clip_each_sample_step(ref, seq_sample_loss, x, y, clip, 0.5)
-    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
-    err = max((got[k] - want[k]).abs().max().item() for k in got)
-    moved = max((got[k] - p).abs().max().item() for k, p in base.named_parameters())
-    assert err <= 1e-6 and moved > 1e-3, (err, moved)
-    return f"max parameter difference to the loop {err:.1e} (update {moved:.1e})"
+    return seq_net_step_against_the_loop(engine, step)
 
 
 def case_engine_tied_llama():

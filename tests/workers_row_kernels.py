@@ -61,7 +61,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def case_scale_rows_bits():
     """The kernel's rows equal torch's broadcast multiply bit for bit (every dtype pair,
-    partial blocks, one sample, an empty batch, values that round to even and overflow)."""
+    partial blocks, one sample, an empty batch, large values that overflow fp16)."""
     from opacus_fsdp_sync.layers.kernels import rows
     from opacus_fsdp_sync.layers.registry import scale_rows
 
@@ -88,6 +88,35 @@ def case_scale_rows_bits():
     return f"{checked} dtype and shape pairs bit for bit; fp64 and strided inputs declined"
 
 
+def special_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows whose products are exact ties for bf16 and fp16, overflow, inf and NaN."""
+    ties = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-11, 1 + 3 * 2**-11, -(1 + 3 * 2**-11)]
+    edges = [65520.0, -65520.0, 3.4e38, float("inf"), float("-inf"), float("nan")]
+    t = torch.tensor([ties, edges, [0.0, -0.0, 1.5, 2.0, 0.0, float("inf")], [0.0] * 6])
+    payloads = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, -0x007FFFFF], dtype=torch.int32)
+    t[3, :4] = payloads.view(torch.float32)  # NaNs whose rounding carries into the sign bit
+    scale = torch.tensor([1.0, 1.0, float("inf"), 1.0])  # inf x 0 is NaN, inf x -0 too
+    return t, scale
+
+
+def case_scale_rows_special_values():
+    """Ties round to even, overflow goes to infinity, inf and NaN pass: torch's bits, for
+    each output dtype (subnormals are left out: the interpreter flushes them)."""
+    from opacus_fsdp_sync.layers.registry import scale_rows
+
+    t, scale = special_rows()
+    for dst in (torch.float32, torch.bfloat16, torch.float16):
+        with row_kernels("1"), counted_launches() as launches:
+            got = scale_rows(t, scale, dst)
+        assert launches["scale_rows"] == 1
+        with row_kernels("0"):
+            want = scale_rows(t, scale, dst)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), dst
+        assert torch.equal(_bits(got[~nan]), _bits(want[~nan])), (dst, got, want)
+    return "ties, overflow, inf, signed zeros and NaN as torch computes them"
+
+
 def case_batched_dot():
     """Gram-block dots from the kernel within fp32 rounding of fp64 and of the torch path."""
     from opacus_fsdp_sync.layers import linear_grams
@@ -109,9 +138,13 @@ def case_batched_dot():
     return f"largest error {worst:.1e} of the sum of |terms|"
 
 
-def case_engine_row_kernels():
-    """A one-backward step with the row kernels on: the clip-each-sample loop's parameters."""
-    from opacus_fsdp_sync import PrivacyEngine
+def seq_net_step_against_the_loop(engine, step) -> str:
+    """One private step of :class:`tests.models.SharedInputSeqNet` against the
+    clip-each-sample loop, with half the samples clipped.
+
+    ``step(gsm, opt, crit, x, y)`` runs the step (forward, backward, ``opt.step()``). Asserts the
+    parameters within 1e-6 of the loop's and an update that moved them.
+    """
     from opacus_fsdp_sync.testing import clip_each_sample_step, per_sample_clipped_grads
     from tests.models import SharedInputSeqNet, seq_sample_loss
     from tests.private import make_private
@@ -124,26 +157,44 @@ def case_engine_row_kernels():
     _, norms = per_sample_clipped_grads(copy.deepcopy(base), seq_sample_loss, x, y, 1.0)
     clip = norms.median().item()  # half the samples clipped
     model = copy.deepcopy(base)
-    engine = PrivacyEngine(per_sample_grads=False, tune_norms=False)
     gsm, opt, crit, _ = make_private(engine, model, (x, y), b, clip, "ghost")
-    with row_kernels("1"), counted_launches() as launches:
-        logits = gsm(x)
-        loss = crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(b, t))
-        loss.backward()
-        opt.step()
+    step(gsm, opt, crit, x, y)
     assert engine.one_backward
-    assert launches["scale_rows"] >= 5 and launches["batched_dot"] >= 6, launches
     ref = copy.deepcopy(base)
     clip_each_sample_step(ref, seq_sample_loss, x, y, clip, 0.5)
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     err = max((got[k] - want[k]).abs().max().item() for k in got)
     moved = max((got[k] - p).abs().max().item() for k, p in base.named_parameters())
     assert err <= 1e-6 and moved > 1e-3, (err, moved)
-    return f"{launches}; max parameter difference to the loop {err:.1e} (update {moved:.1e})"
+    return f"max parameter difference to the loop {err:.1e} (update {moved:.1e})"
+
+
+def seq_loss(gsm, crit, x, y):
+    """The sequence model's loss on ``(x, y)``."""
+    logits = gsm(x)
+    return crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=y.shape)
+
+
+def case_engine_row_kernels():
+    """A one-backward step with the row kernels on: the clip-each-sample loop's parameters."""
+    from opacus_fsdp_sync import PrivacyEngine
+
+    def step(gsm, opt, crit, x, y):
+        with row_kernels("1"), counted_launches() as launches:
+            seq_loss(gsm, crit, x, y).backward()
+            opt.step()
+        assert launches["scale_rows"] >= 5 and launches["batched_dot"] >= 6, launches
+        counts.update(launches)
+
+    counts: dict = {}
+    engine = PrivacyEngine(per_sample_grads=False, tune_norms=False)
+    detail = seq_net_step_against_the_loop(engine, step)
+    return f"{detail}; launches {counts}"
 
 
 CASES = {
     "rows_scale_bits": case_scale_rows_bits,
+    "rows_scale_special_values": case_scale_rows_special_values,
     "rows_batched_dot": case_batched_dot,
     "rows_engine_step": case_engine_row_kernels,
 }

@@ -13,27 +13,51 @@ Two memory-bound steps of every private step run as Triton kernels where they ca
 (the torch ops everywhere); ``1`` wherever Triton can launch, the CPU under
 ``TRITON_INTERPRET=1`` included (the tests).
 
-Why the sizes: on one H100 (``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/
-row-kernels/``) the kernels moved 2.5-2.9 TB/s where torch's ops moved 0.9-1.3 TB/s, but a
-Triton launch cost that machine's host 48-64 us against 28-48 us for the torch ops it
-replaces. Below these sizes torch's op is done before the kernel's launch is: a private step
-bound by its host (small Poisson draws) would only pay the launches.
+Why the sizes (one H100, ``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/
+row-kernels/``): a Triton launch cost that machine's host 48-64 us against 28-48 us for the
+torch ops it replaces, so a kernel pays only where torch's op takes longer on the GPU than the
+launch on the host. The scaling kernel moved 1.5 TB/s at ``(8, 1024, 2048)`` bf16 (bound by
+its launch) and 2.9 TB/s at ``(8, 1024, 8192)``, against torch's 0.9 TB/s. The dot kernel lost
+to torch in back-to-back calls at every size (bound by its launch); inside the step, where the
+host runs ahead, it took 26.2 us a call on ``(8, 1024, 1024)`` Grams against 45.6 us for
+cuBLAS's matrix-vector kernel. Below the sizes a step bound by its host (small Poisson draws)
+would only pay the launches. The sizes themselves are set from these figures, not measured.
 
 Each call returns None where the kernel does not apply (another device, fp64, a non-contiguous
-tensor, more samples than a grid column takes), and the caller runs its torch op. Triton is
-imported on the first call that needs it.
+tensor or DTensor, an input that requires a gradient, more samples than a grid column takes),
+and the caller runs its torch op. Triton is imported on the first call that needs it; if a
+launch fails (Triton cannot compile here, say), the failure is logged once and the device keeps
+the torch ops: the scaling's result is the same, the dots' equal to rounding. Raw Triton
+launches are not dispatcher ops: dispatch-mode tools (the op ledger, ``FlopCounterMode``) do
+not see them on CUDA.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from .availability import can_launch
 
+logger = logging.getLogger(__name__)
+
 #: The environment variable that turns the row kernels on or off (see the module docstring).
 ENV = "OPACUS_FSDP_SYNC_ROW_KERNELS"
+#: Spellings of :data:`ENV`'s values (as ``TRITON_INTERPRET`` takes them).
+_SPELLINGS = {
+    "auto": "auto",
+    "": "auto",
+    "1": "1",
+    "true": "1",
+    "on": "1",
+    "yes": "1",
+    "0": "0",
+    "false": "0",
+    "off": "0",
+    "no": "0",
+}
 #: Dtypes the row kernels read (fp64 keeps the torch ops).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: CUDA's limit on a grid's second dimension, which the kernels give the rows.
@@ -41,28 +65,67 @@ MAX_ROWS = 65535
 #: ``auto``: the smallest tensors the kernels take (elements of the scaled tensor; of each dot
 #: operand). The scale of a ``(8, 1024, 2048)`` bf16 operand took 75.6 us in torch and 45.4 us
 #: as a kernel (bound by its launch), that of ``(4, 1024, 2048)`` 37.3 against 43.9 us; the
-#: dot of two ``(8, 1024, 1024)`` fp32 Grams 26 us a call in the step's profile against the
-#: 47 us of cuBLAS's matrix-vector kernel.
+#: dot of two ``(8, 1024, 1024)`` fp32 Grams 26.2 us a call in the step's profile against the
+#: 45.6 us of cuBLAS's matrix-vector kernel (another machine's profile of the same step).
 SCALE_MIN_ELEMENTS = 1 << 24
 DOT_MIN_ELEMENTS = 1 << 23
+#: Devices where a launch failed: they keep the torch ops for the rest of the process.
+_FAILED: set[torch.device] = set()
+_PARSED: tuple[str | None, str] = (None, "auto")
 
 
 def setting() -> str:
-    """``"auto"``, ``"0"`` or ``"1"``: the value of :data:`ENV` (unset is ``"auto"``).
+    """The row kernels' setting: :data:`ENV` parsed (once per distinct value).
+
+    Returns:
+        ``"auto"`` (unset, empty or ``auto``), ``"1"`` (``1``, ``true``, ``on``, ``yes``) or
+        ``"0"`` (``0``, ``false``, ``off``, ``no``), in any case.
 
     Raises:
-        ValueError: Any other value.
+        ValueError: Any other value, naming the variable and what it takes.
     """
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use auto (the default: CUDA), 0 (off) or 1 (on)")
+    global _PARSED
+    raw = os.environ.get(ENV)
+    if raw == _PARSED[0] and raw is not None:
+        return _PARSED[1]
+    value = _SPELLINGS.get((raw or "").strip().lower())
+    if value is None:
+        raise ValueError(
+            f"{ENV}={raw!r}: use auto (the default: large CUDA tensors), 0 (off) or 1 (on "
+            "wherever Triton can launch)"
+        )
+    _PARSED = (raw, value)
     return value
+
+
+def describe() -> str:
+    """One log phrase: whether the row kernels run, and where (validates :data:`ENV`).
+
+    Raises:
+        ValueError: :data:`ENV` has a value :func:`setting` does not take.
+    """
+    choice = setting()
+    if choice == "0":
+        return f"row kernels off ({ENV}=0)"
+    if choice == "1":
+        return f"row kernels wherever Triton launches ({ENV}=1)"
+    return (
+        f"row kernels on CUDA tensors from {SCALE_MIN_ELEMENTS} (scaling) / {DOT_MIN_ELEMENTS} "
+        f"(Gram dots) elements ({ENV}=auto)"
+    )
 
 
 def wanted(device_type: str, numel: int, minimum: int) -> bool:
     """Whether :func:`setting` asks for a row kernel on a tensor of ``numel`` elements.
 
-    ``auto``: on CUDA from ``minimum`` elements; ``1``: always; ``0``: never.
+    Args:
+        device_type: The tensor's device type.
+        numel: Its elements.
+        minimum: The kernel's ``auto`` size (:data:`SCALE_MIN_ELEMENTS`,
+            :data:`DOT_MIN_ELEMENTS`).
+
+    Returns:
+        ``auto``: on CUDA from ``minimum`` elements; ``1``: always; ``0``: never.
     """
     choice = setting()
     if choice == "auto":
@@ -73,20 +136,54 @@ def wanted(device_type: str, numel: int, minimum: int) -> bool:
 def _applies(minimum: int, *tensors: torch.Tensor) -> bool:
     """Whether the setting, the device, the size, the rows and the layout let a kernel run."""
     first = tensors[0]
-    if not wanted(first.device.type, first.numel(), minimum):
+    if not wanted(first.device.type, first.numel(), minimum) or first.device in _FAILED:
         return False
-    if type(first) is not torch.Tensor or first.dim() == 0 or first.shape[0] > MAX_ROWS:
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False  # DTensors and other subclasses keep their own ops
+    if first.dim() == 0 or first.shape[0] > MAX_ROWS:
         return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # a launch would not be recorded by autograd
     return all(t.is_contiguous() for t in tensors) and can_launch(*tensors)
+
+
+def _kernels():
+    """The launchers (:mod:`.triton_rows`), imported on first use."""
+    from . import triton_rows
+
+    return triton_rows
+
+
+def _launch(name: str, *args) -> torch.Tensor | None:
+    """``triton_rows.<name>(*args)`` on the tensors' device; None (logged once) if it fails."""
+    device = args[0].device
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # Triton launches on the current device
+                return getattr(_kernels(), name)(*args)
+        return getattr(_kernels(), name)(*args)
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot run is the torch path
+        _FAILED.add(device)
+        logger.warning(
+            "[Ghost] row kernel %s failed on %s (%s: %s); this device keeps the torch ops",
+            name, device, type(error).__name__, error,
+        )  # fmt: skip
+        return None
 
 
 def scale_rows_kernel(
     t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """``t`` with row n times ``scale[n]`` in ``dtype`` by the kernel, or None.
+    """``t`` with row n times ``scale[n]``, by the kernel.
 
-    None where the kernel does not apply: ``t`` or ``dtype`` not fp32/bf16/fp16, ``scale`` not
-    an fp32 ``(N,)``, or :func:`_applies` says no.
+    Args:
+        t: ``(N, ...)``, fp32, bf16 or fp16.
+        scale: ``(N,)`` fp32 factors.
+        dtype: The result's dtype (fp32, bf16 or fp16).
+
+    Returns:
+        The product formed in fp32 and rounded once to ``dtype``, or None where the kernel does
+        not apply (the caller's torch op computes the same bits).
     """
     if t.dtype not in _DTYPES or dtype not in _DTYPES or scale.dtype != torch.float32:
         return None
@@ -94,20 +191,22 @@ def scale_rows_kernel(
         return None
     if not _applies(SCALE_MIN_ELEMENTS, t, scale):
         return None
-    from . import triton_rows
-
-    return triton_rows.scale_rows(t, scale, dtype)
+    return _launch("scale_rows", t, scale, dtype)
 
 
 def batched_dot_kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``(N,)``: ``sum(a[n] * b[n])`` of fp32 ``a`` and ``b`` (one shape) by the kernel, or None.
+    """The dot product of each row pair, by the kernel.
 
-    None where the kernel does not apply (another dtype or shape, or :func:`_applies` says no).
+    Args:
+        a: ``(N, ...)`` fp32.
+        b: Of ``a``'s shape, fp32.
+
+    Returns:
+        ``(N,)`` fp32 ``sum(a[n] * b[n])`` (fp32 partials summed by ``torch.sum``), or None
+        where the kernel does not apply.
     """
     if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape != b.shape:
         return None
     if not _applies(DOT_MIN_ELEMENTS, a, b):
         return None
-    from . import triton_rows
-
-    return triton_rows.batched_dot(a, b)
+    return _launch("batched_dot", a, b)

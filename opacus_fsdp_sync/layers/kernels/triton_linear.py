@@ -91,7 +91,7 @@ def _to(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
     return x.to(dtype)
 
 
