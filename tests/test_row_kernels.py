@@ -44,8 +44,13 @@ def launchers(monkeypatch):
     fake = Launchers()
     monkeypatch.setattr(rows, "_kernels", lambda: fake)
     monkeypatch.setattr(rows, "can_launch", lambda *tensors: True)
+    monkeypatch.setattr(rows, "_FAILED", set())  # no device written off by an earlier test
     monkeypatch.setenv(rows.ENV, "1")
     return fake
+
+
+class Sub(torch.Tensor):
+    """A tensor subclass, as a DTensor is: the kernels must not read its storage."""
 
 
 @pytest.mark.parametrize(
@@ -133,6 +138,8 @@ def test_scale_rows_reaches_the_kernel_for_what_it_computes(launchers):
         (torch.tensor(2.0), torch.rand(1), torch.float32),  # no rows
         (torch.randn(3, 4, requires_grad=True), torch.rand(3), torch.float32),  # autograd
         (torch.randn(rows.MAX_ROWS + 1, 1), torch.rand(rows.MAX_ROWS + 1), torch.float32),
+        (torch.randn(3, 4).as_subclass(Sub), torch.rand(3), torch.float32),  # subclass
+        (torch.randn(3, 4), torch.rand(3).as_subclass(Sub), torch.float32),  # subclass scale
     ],
 )
 def test_scale_rows_declines_what_it_does_not_compute(launchers, args):
@@ -148,6 +155,9 @@ def test_batched_dot_reaches_the_kernel_or_declines(launchers):
         (a.bfloat16(), a.bfloat16()),  # not fp32
         (a, a[:1]),  # shapes differ
         (a.transpose(1, 2), a.transpose(1, 2)),  # strided
+        (a.as_subclass(Sub), a),  # subclass
+        (a, a.as_subclass(Sub)),  # subclass second operand
+        (a.clone().requires_grad_(), a),  # autograd
     ]:
         assert rows.batched_dot_kernel(x, y) is None
     assert launchers.calls == ["batched_dot"]
@@ -170,6 +180,21 @@ def test_a_failed_launch_falls_back_and_is_not_retried(monkeypatch, caplog):
     assert "row kernel scale_rows failed on cpu (RuntimeError: no compiler here)" in caplog.text
 
 
+def test_out_of_memory_is_not_a_kernel_failure(monkeypatch):
+    """An OOM propagates (torch's op would need the same memory) and writes nothing off."""
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(rows, "_kernels", lambda: type("K", (), {"scale_rows": staticmethod(oom)}))
+    monkeypatch.setattr(rows, "can_launch", lambda *tensors: True)
+    monkeypatch.setattr(rows, "_FAILED", set())
+    monkeypatch.setenv(rows.ENV, "1")
+    with pytest.raises(torch.OutOfMemoryError):
+        scale_rows(torch.randn(2, 3), torch.rand(2))
+    assert not rows._FAILED
+
+
 def test_off_gives_the_torch_ops(launchers, monkeypatch):
     monkeypatch.setenv(rows.ENV, "0")
     t, scale = torch.randn(3, 4, 5).bfloat16(), torch.rand(3)
@@ -181,6 +206,9 @@ def test_off_gives_the_torch_ops(launchers, monkeypatch):
 
 
 def test_describe_names_the_setting(monkeypatch):
+    monkeypatch.setattr(rows, "triton_available", lambda: True)
     for value, phrase in [("0", "off"), ("1", "wherever"), ("auto", "on CUDA tensors from")]:
         monkeypatch.setenv(rows.ENV, value)
         assert phrase in rows.describe() and rows.ENV in rows.describe()
+    monkeypatch.setattr(rows, "triton_available", lambda: False)
+    assert "triton does not import" in rows.describe()

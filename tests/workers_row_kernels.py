@@ -33,29 +33,36 @@ def row_kernels(value: str):
 
 @contextlib.contextmanager
 def counted_launches():
-    """Counts the launches of each row kernel: ``{"scale_rows": n, "batched_dot": m}``."""
-    from opacus_fsdp_sync.layers.kernels import triton_rows
+    """Counts the launches of each row kernel that returned: ``{"scale_rows": n, ...}``.
+
+    Also checks that no launch failed (a failure would have handed the call to torch's ops).
+    """
+    from opacus_fsdp_sync.layers.kernels import rows, triton_rows
 
     counts = {"scale_rows": 0, "batched_dot": 0}
     originals = {name: getattr(triton_rows, name) for name in counts}
 
     def wrap(name):
         def launch(*args, **kwargs):
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
+            out = originals[name](*args, **kwargs)
+            counts[name] += 1  # after it returned: a failed launch is not counted
+            return out
 
         return launch
 
     for name in counts:
         setattr(triton_rows, name, wrap(name))
+    failed_before = set(rows._FAILED)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(triton_rows, name, fn)
+    assert rows._FAILED == failed_before, f"a row kernel failed on {rows._FAILED}"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits as integers (so -0.0 and +0.0 differ)."""
     return t.contiguous().view(_INT[t.element_size()])
 
 
@@ -79,7 +86,7 @@ def case_scale_rows_bits():
                 with row_kernels("0"):
                     want = scale_rows(t, scale, dst)
                 assert got.dtype == want.dtype == dst and got.shape == want.shape
-                assert torch.equal(_bits(got), _bits(want)), (src, dst, shape)
+                assert torch.equal(bits(got), bits(want)), (src, dst, shape)
                 checked += 1
     fp64 = torch.randn(2, 3, dtype=torch.float64)
     with row_kernels("1"):
@@ -113,7 +120,7 @@ def case_scale_rows_special_values():
             want = scale_rows(t, scale, dst)
         nan = want.isnan()
         assert torch.equal(got.isnan(), nan), dst
-        assert torch.equal(_bits(got[~nan]), _bits(want[~nan])), (dst, got, want)
+        assert torch.equal(bits(got[~nan]), bits(want[~nan])), (dst, got, want)
     return "ties, overflow, inf, signed zeros and NaN as torch computes them"
 
 

@@ -3,8 +3,8 @@
 Two memory-bound steps of every private step run as Triton kernels where they can:
 
 - :func:`scale_rows_kernel`: the clipping coefficients applied to a layer's narrower operand
-  before its clipped-gradient matmul (bit for bit torch's product, so the choice never changes
-  a result);
+  before its clipped-gradient matmul (on CUDA bit for bit torch's product, so the choice does
+  not change a result; Triton's CPU interpreter flushes bf16 subnormals);
 - :func:`batched_dot_kernel`: the contraction of fp32 Gram blocks into squared norms (the same
   sum in another order: equal to rounding).
 
@@ -15,13 +15,14 @@ Two memory-bound steps of every private step run as Triton kernels where they ca
 
 Why the sizes (one H100, ``memory_test/fsdp_llama3_profiling/results/gpu-h100-campaign/
 row-kernels/``): a Triton launch cost that machine's host 48-64 us against 28-48 us for the
-torch ops it replaces, so a kernel pays only where torch's op takes longer on the GPU than the
-launch on the host. The scaling kernel moved 1.5 TB/s at ``(8, 1024, 2048)`` bf16 (bound by
-its launch) and 2.9 TB/s at ``(8, 1024, 8192)``, against torch's 0.9 TB/s. The dot kernel lost
-to torch in back-to-back calls at every size (bound by its launch); inside the step, where the
-host runs ahead, it took 26.2 us a call on ``(8, 1024, 1024)`` Grams against 45.6 us for
-cuBLAS's matrix-vector kernel. Below the sizes a step bound by its host (small Poisson draws)
-would only pay the launches. The sizes themselves are set from these figures, not measured.
+torch ops it replaces (15.6-19.2 us more), so a kernel pays only where torch's op takes longer
+on the GPU than the launch on the host. The scaling kernel moved 1.5 TB/s at ``(8, 1024, 2048)``
+bf16 (bound by its launch) and 2.9 TB/s at ``(8, 1024, 8192)``, against torch's 0.9 TB/s. The
+dot kernel lost to torch in back-to-back calls at every size (bound by its launch); inside the
+step, where the host runs ahead, it took 26.2 us a call on ``(8, 1024, 1024)`` Grams against
+45.6 us for cuBLAS's matrix-vector kernel. Below the sizes a step bound by its host (small
+Poisson draws) would only pay the launches. The sizes themselves are set from these figures, not
+measured.
 
 Each call returns None where the kernel does not apply (another device, fp64, a non-contiguous
 tensor or DTensor, an input that requires a gradient, more samples than a grid column takes),
@@ -39,7 +40,7 @@ import os
 
 import torch
 
-from .availability import can_launch
+from .availability import DTYPES, can_launch, triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ _SPELLINGS = {
     "off": "0",
     "no": "0",
 }
-#: Dtypes the row kernels read (fp64 keeps the torch ops).
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: CUDA's limit on a grid's second dimension, which the kernels give the rows.
 MAX_ROWS = 65535
 #: ``auto``: the smallest tensors the kernels take (elements of the scaled tensor; of each dot
@@ -71,6 +70,7 @@ SCALE_MIN_ELEMENTS = 1 << 24
 DOT_MIN_ELEMENTS = 1 << 23
 #: Devices where a launch failed: they keep the torch ops for the rest of the process.
 _FAILED: set[torch.device] = set()
+#: The last value of :data:`ENV` read and its meaning (a value is parsed once).
 _PARSED: tuple[str | None, str] = (None, "auto")
 
 
@@ -101,12 +101,17 @@ def setting() -> str:
 def describe() -> str:
     """One log phrase: whether the row kernels run, and where (validates :data:`ENV`).
 
+    Returns:
+        The setting in words, with a note where Triton does not import here.
+
     Raises:
         ValueError: :data:`ENV` has a value :func:`setting` does not take.
     """
     choice = setting()
     if choice == "0":
         return f"row kernels off ({ENV}=0)"
+    if not triton_available():
+        return f"row kernels unavailable: triton does not import ({ENV}={choice})"
     if choice == "1":
         return f"row kernels wherever Triton launches ({ENV}=1)"
     return (
@@ -162,6 +167,8 @@ def _launch(name: str, *args) -> torch.Tensor | None:
             with torch.cuda.device(device):  # Triton launches on the current device
                 return getattr(_kernels(), name)(*args)
         return getattr(_kernels(), name)(*args)
+    except torch.OutOfMemoryError:
+        raise  # the torch op would need the same memory: not the kernel's failure
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run is the torch path
         _FAILED.add(device)
         logger.warning(
@@ -185,7 +192,7 @@ def scale_rows_kernel(
         The product formed in fp32 and rounded once to ``dtype``, or None where the kernel does
         not apply (the caller's torch op computes the same bits).
     """
-    if t.dtype not in _DTYPES or dtype not in _DTYPES or scale.dtype != torch.float32:
+    if t.dtype not in DTYPES or dtype not in DTYPES or scale.dtype != torch.float32:
         return None
     if t.dim() == 0 or scale.shape != (t.shape[0],):
         return None
