@@ -153,6 +153,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             describe_row_kernels()  # and OPACUS_FSDP_SYNC_ROW_KERNELS
+            describe_kernels(opts.fused_kernels, torch.device("cpu"))  # triton for True
             if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
                 mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
                 kwargs["grad_sample_mode"] = mode

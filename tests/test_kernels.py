@@ -170,6 +170,18 @@ def test_package_falls_back_without_triton():
     assert "refused: fused_kernels=True needs triton" in done.stdout
 
 
+def test_make_private_refuses_fused_kernels_without_triton_before_wrapping(monkeypatch):
+    """fused_kernels=True where triton does not import: refused before any hook is attached."""
+    from tests.private import make_private
+
+    monkeypatch.setattr(availability, "triton_available", lambda: False)
+    model = nn.Linear(4, 2)
+    data = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    with pytest.raises(ValueError, match="fused_kernels=True needs triton"):
+        make_private(PrivacyEngine(fused_kernels=True), model, data, 4, 1.0, "ghost")
+    assert not model._forward_hooks and not model._backward_hooks
+
+
 def test_linear_room_keeps_the_torch_path_when_off():
     from opacus_fsdp_sync.layers import room_for
 
