@@ -233,13 +233,17 @@ def test_row_kernels_on_cuda(dtype, monkeypatch):
     from opacus_fsdp_sync.layers.registry import scale_rows
     from tests.workers_row_kernels import bits, special_rows
 
+    def use(value):
+        monkeypatch.setenv(rows.ENV, value)
+        monkeypatch.setattr(rows, "_VALUE", None)  # read again on the next call
+
     def both(fn, *args):
         """``fn`` with the kernels on every size (not auto's), then with the torch ops."""
-        monkeypatch.setenv(rows.ENV, "1")
+        use("1")
         got = fn(*args)
-        monkeypatch.setenv(rows.ENV, "0")
+        use("0")
         want = fn(*args)
-        monkeypatch.setenv(rows.ENV, "1")
+        use("1")
         return got, want
 
     monkeypatch.setattr(rows, "_FAILED", set())  # a failed launch would answer with torch's ops
@@ -256,7 +260,7 @@ def test_row_kernels_on_cuda(dtype, monkeypatch):
         (subnormal.cuda().to(dtype), torch.tensor([float("inf"), 1e-3], device="cuda")),
     ]  # fmt: skip
     for t, coef in cases:
-        monkeypatch.setenv(rows.ENV, "1")
+        use("1")
         assert rows.scale_rows_kernel(t, coef, dtype) is not None  # the kernel runs
         for out in (torch.float32, torch.bfloat16, torch.float16):
             got, want = both(scale_rows, t, coef, out)

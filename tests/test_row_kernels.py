@@ -17,6 +17,15 @@ from opacus_fsdp_sync.layers.kernels import rows
 from opacus_fsdp_sync.layers.registry import scale_rows
 
 
+def set_row_kernels(monkeypatch, value: str | None) -> None:
+    """Sets (None: unsets) the variable, and has the module read it again on its next call."""
+    if value is None:
+        monkeypatch.delenv(rows.ENV, raising=False)
+    else:
+        monkeypatch.setenv(rows.ENV, value)
+    monkeypatch.setattr(rows, "_VALUE", None)  # restored with the variable after the test
+
+
 class Launchers:
     """Stands in for :mod:`...triton_rows`: records calls, answers with the torch result."""
 
@@ -45,7 +54,7 @@ def launchers(monkeypatch):
     monkeypatch.setattr(rows, "_kernels", lambda: fake)
     monkeypatch.setattr(rows, "can_launch", lambda *tensors: True)
     monkeypatch.setattr(rows, "_FAILED", set())  # no device written off by an earlier test
-    monkeypatch.setenv(rows.ENV, "1")
+    set_row_kernels(monkeypatch, "1")
     return fake
 
 
@@ -59,15 +68,12 @@ class Sub(torch.Tensor):
      ("1", "1"), ("True", "1"), ("on", "1"), ("yes", "1")],
 )  # fmt: skip
 def test_setting_reads_the_environment(monkeypatch, value, want):
-    if value is None:
-        monkeypatch.delenv(rows.ENV, raising=False)
-    else:
-        monkeypatch.setenv(rows.ENV, value)
+    set_row_kernels(monkeypatch, value)
     assert rows.setting() == want
 
 
 def test_a_bad_setting_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(rows.ENV, "sometimes")
+    set_row_kernels(monkeypatch, "sometimes")
     with pytest.raises(ValueError, match="OPACUS_FSDP_SYNC_ROW_KERNELS='sometimes'.*auto.*0.*1"):
         scale_rows(torch.ones(2, 3), torch.ones(2))
 
@@ -76,7 +82,7 @@ def test_make_private_refuses_a_bad_setting_before_wrapping(monkeypatch):
     from opacus_fsdp_sync import PrivacyEngine
     from tests.private import make_private
 
-    monkeypatch.setenv(rows.ENV, "sometimes")
+    set_row_kernels(monkeypatch, "sometimes")
     model = nn.Linear(4, 2)
     data = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
     with pytest.raises(ValueError, match=rows.ENV):
@@ -85,16 +91,16 @@ def test_make_private_refuses_a_bad_setting_before_wrapping(monkeypatch):
 
 
 def test_auto_keeps_cpu_tensors_on_the_torch_ops(launchers, monkeypatch):
-    monkeypatch.setenv(rows.ENV, "auto")
+    set_row_kernels(monkeypatch, "auto")
     t = torch.randn(2, rows.SCALE_MIN_ELEMENTS // 2)  # large enough, but on the CPU
     assert rows.scale_rows_kernel(t, torch.rand(2), t.dtype) is None
     assert rows.batched_dot_kernel(t, t) is None
     assert launchers.calls == []
 
 
-def test_auto_takes_cuda_tensors_from_each_kernels_size(launchers, monkeypatch):
-    """Each caller passes its own size to ``auto`` (the device type is stood in for)."""
-    monkeypatch.setenv(rows.ENV, "auto")
+def test_each_kernel_asks_with_its_own_size(launchers, monkeypatch):
+    """Each caller passes its own ``auto`` size to :func:`rows.wanted`."""
+    set_row_kernels(monkeypatch, "1")  # past the CPU's early exit, to wanted()
     sizes = []
     monkeypatch.setattr(rows, "wanted", lambda device, numel, minimum: sizes.append(minimum))
     t = torch.randn(2, 8)
@@ -114,7 +120,7 @@ def test_auto_takes_cuda_tensors_from_each_kernels_size(launchers, monkeypatch):
     ],
 )
 def test_wanted_by_setting_device_and_size(monkeypatch, value, device, numel, want):
-    monkeypatch.setenv(rows.ENV, value)
+    set_row_kernels(monkeypatch, value)
     assert rows.wanted(device, numel, rows.SCALE_MIN_ELEMENTS) is want
 
 
@@ -168,7 +174,7 @@ def test_a_failed_launch_falls_back_and_is_not_retried(monkeypatch, caplog):
     monkeypatch.setattr(rows, "_kernels", lambda: fake)
     monkeypatch.setattr(rows, "can_launch", lambda *tensors: True)
     monkeypatch.setattr(rows, "_FAILED", set())
-    monkeypatch.setenv(rows.ENV, "1")
+    set_row_kernels(monkeypatch, "1")
     t, scale = torch.randn(3, 4, 5).bfloat16(), torch.rand(3)
     want = torch.mul(t, scale.view(3, 1, 1), out=torch.empty_like(t))
     with caplog.at_level(logging.WARNING, logger=rows.__name__):
@@ -189,14 +195,14 @@ def test_out_of_memory_is_not_a_kernel_failure(monkeypatch):
     monkeypatch.setattr(rows, "_kernels", lambda: type("K", (), {"scale_rows": staticmethod(oom)}))
     monkeypatch.setattr(rows, "can_launch", lambda *tensors: True)
     monkeypatch.setattr(rows, "_FAILED", set())
-    monkeypatch.setenv(rows.ENV, "1")
+    set_row_kernels(monkeypatch, "1")
     with pytest.raises(torch.OutOfMemoryError):
         scale_rows(torch.randn(2, 3), torch.rand(2))
     assert not rows._FAILED
 
 
 def test_off_gives_the_torch_ops(launchers, monkeypatch):
-    monkeypatch.setenv(rows.ENV, "0")
+    set_row_kernels(monkeypatch, "0")
     t, scale = torch.randn(3, 4, 5).bfloat16(), torch.rand(3)
     want = torch.mul(t, scale.view(3, 1, 1), out=torch.empty_like(t))
     assert torch.equal(scale_rows(t, scale), want)
@@ -205,10 +211,21 @@ def test_off_gives_the_torch_ops(launchers, monkeypatch):
     assert launchers.calls == []
 
 
+def test_the_setting_is_read_once_until_refreshed(monkeypatch):
+    set_row_kernels(monkeypatch, "0")
+    assert rows.setting() == "0"
+    monkeypatch.setenv(rows.ENV, "1")
+    assert rows.setting() == "0"  # not read again at each call
+    assert rows.refresh() == "1" and rows.setting() == "1"
+    monkeypatch.setenv(rows.ENV, "0")
+    rows.describe()  # make_private's call reads it again
+    assert rows.setting() == "0"
+
+
 def test_describe_names_the_setting(monkeypatch):
     monkeypatch.setattr(rows, "triton_available", lambda: True)
     for value, phrase in [("0", "off"), ("1", "wherever"), ("auto", "on CUDA tensors from")]:
-        monkeypatch.setenv(rows.ENV, value)
+        set_row_kernels(monkeypatch, value)
         assert phrase in rows.describe() and rows.ENV in rows.describe()
     monkeypatch.setattr(rows, "triton_available", lambda: False)
     assert "triton does not import" in rows.describe()

@@ -22,6 +22,7 @@ def row_kernels(value: str):
 
     old = os.environ.get(rows.ENV)
     os.environ[rows.ENV] = value
+    rows.refresh()
     try:
         yield
     finally:
@@ -29,6 +30,7 @@ def row_kernels(value: str):
             del os.environ[rows.ENV]
         else:
             os.environ[rows.ENV] = old
+        rows.refresh()
 
 
 @contextlib.contextmanager

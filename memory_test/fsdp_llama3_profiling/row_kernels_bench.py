@@ -41,8 +41,10 @@ def timed_us(fn, reps: int = 50) -> float:
 def both(fn) -> tuple[float, float]:
     """``(torch us, kernel us)`` of ``fn`` under each setting."""
     os.environ[rows.ENV] = "0"
+    rows.refresh()
     plain = timed_us(fn)
     os.environ[rows.ENV] = "1"
+    rows.refresh()
     return plain, timed_us(fn)
 
 
@@ -80,6 +82,7 @@ def main() -> None:
     for name, fn in calls:
         for value in ("0", "1"):
             os.environ[rows.ENV] = value
+            rows.refresh()
             fn()
             torch.cuda.synchronize()
             start = time.perf_counter()
