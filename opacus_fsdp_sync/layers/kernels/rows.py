@@ -200,13 +200,11 @@ def scale_rows_kernel(
         The product formed in fp32 and rounded once to ``dtype``, or None where the kernel does
         not apply (the caller's torch op computes the same bits).
     """
-    if t.device.type != "cuda" and setting() != "1":
-        return None  # first: the CPU's calls decline here
+    if not _applies(SCALE_MIN_ELEMENTS, t, scale):  # first: the CPU's calls decline here
+        return None
     if t.dtype not in DTYPES or dtype not in DTYPES or scale.dtype != torch.float32:
         return None
-    if t.dim() == 0 or scale.shape != (t.shape[0],):
-        return None
-    if not _applies(SCALE_MIN_ELEMENTS, t, scale):
+    if scale.shape != (t.shape[0],):
         return None
     return _launch("scale_rows", t, scale, dtype)
 
@@ -222,10 +220,8 @@ def batched_dot_kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         ``(N,)`` fp32 ``sum(a[n] * b[n])`` (fp32 partials summed by ``torch.sum``), or None
         where the kernel does not apply.
     """
-    if a.device.type != "cuda" and setting() != "1":
-        return None  # first: the CPU's calls decline here
-    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape != b.shape:
+    if not _applies(DOT_MIN_ELEMENTS, a, b):  # first: the CPU's calls decline here
         return None
-    if not _applies(DOT_MIN_ELEMENTS, a, b):
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape != b.shape:
         return None
     return _launch("batched_dot", a, b)
