@@ -28,6 +28,7 @@ from .layers.kernels import describe as describe_kernels
 from .layers.kernels.rows import describe as describe_row_kernels
 from .layers.linear_grams import describe_block
 from .one_backward.memory import MemoryBudget, MemoryPlan
+from .optimizers.noise_kernel import describe as describe_noise_kernel
 from .optimizers.ops import optimizer_ops
 from .options import GhostOptions, decide_keep_unsharded, split_options
 from .profiling.memory import AllocatorWatch
@@ -153,6 +154,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         with self._call_options(split_options(kwargs)):
             opts = self._options_now()  # validates the overrides before anything is wrapped
             describe_row_kernels()  # and OPACUS_FSDP_SYNC_ROW_KERNELS
+            describe_noise_kernel()  # and OPACUS_FSDP_SYNC_NOISE_KERNEL
             describe_kernels(opts.fused_kernels, torch.device("cpu"))  # triton for True
             if "module" in kwargs and "grad_sample_mode" in kwargs:  # upstream's aliases
                 mode = resolve_ghost_mode(kwargs["grad_sample_mode"], kwargs["module"])
@@ -303,9 +305,10 @@ class PrivacyEngine(opacus.PrivacyEngine):
         record = found.record
         device = _first_device(_unwrap(module))
         logger.info(
-            "[Ghost] Linear kernels: %s; %s",
+            "[Ghost] Linear kernels: %s; %s; %s",
             describe_kernels(opts.fused_kernels, device),
             describe_row_kernels(),
+            describe_noise_kernel(),
         )
         handoff = plan_handoff(module, found, opts)
         keep = False

@@ -235,7 +235,7 @@ def test_row_kernels_on_cuda(dtype, monkeypatch):
 
     def use(value):
         monkeypatch.setenv(rows.ENV, value)
-        monkeypatch.setattr(rows, "_VALUE", None)  # read again on the next call
+        monkeypatch.setattr(rows._SWITCH, "value", None)  # read again on the next call
 
     def both(fn, *args):
         """``fn`` with the kernels on every size (not auto's), then with the torch ops."""

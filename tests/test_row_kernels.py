@@ -23,7 +23,7 @@ def set_row_kernels(monkeypatch, value: str | None) -> None:
         monkeypatch.delenv(rows.ENV, raising=False)
     else:
         monkeypatch.setenv(rows.ENV, value)
-    monkeypatch.setattr(rows, "_VALUE", None)  # restored with the variable after the test
+    monkeypatch.setattr(rows._SWITCH, "value", None)  # restored with the variable after the test
 
 
 class Launchers:

@@ -404,3 +404,29 @@ def threads_after_run(rank: int, world: int, backend: str = "fsdp2") -> dict:
         "after_pending": after_pending,
         "after_drop": settled(),
     }
+
+
+def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
+    """``name(rank, world, *args)`` of this module, counting the noise kernel's launches.
+
+    Run with ``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` under ``TRITON_INTERPRET=1``: returns the
+    worker's result, the launches that returned and whether a launch failed (a failure hands
+    the step to torch's draw).
+    """
+    from opacus_fsdp_sync.layers.kernels import triton_noise
+    from opacus_fsdp_sync.optimizers import noise_kernel
+
+    launches = [0]
+    original = triton_noise.noised
+
+    def counted(*a, **kw):
+        out = original(*a, **kw)
+        launches[0] += 1  # after it returned
+        return out
+
+    triton_noise.noised = counted
+    try:
+        result = globals()[name](rank, world, *args)
+    finally:
+        triton_noise.noised = original
+    return {"result": result, "launches": launches[0], "failed": bool(noise_kernel._FAILED)}

@@ -95,6 +95,10 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         """Each parameter's noise from its key's stream (:class:`NoiseStreams`)."""
         return self.streams.draw(layout, std)
 
+    def _noise_streams(self, count: int) -> list[tuple[object, list[int]]]:
+        """Each key's generator and the parameters it covers (:class:`NoiseStreams`)."""
+        return list(zip(self.streams.generators, self.streams.members))
+
     def reseed_noise(self) -> None:
         """Fresh per-shard streams from OS entropy (collective); noise drawn ahead is dropped."""
         self._drop_prefetched()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._opacus_internals import noise_multiplier_in_force
+from . import noise_kernel
 from . import noise_prefetch as draws
 from .noise_prefetch import NoisePrefetch, noise_layout
 
@@ -135,6 +136,23 @@ class FlatNoiseStep(ScaledWithNoise):
         """Noise for ``layout``: one flat draw per dtype and device from ``self.generator``."""
         return draws.draw_flat_noise(layout, std, self.generator)
 
+    def _noise_streams(self, count: int) -> list[tuple[object, list[int]]]:
+        """``[(generator, indices)]``: which of ``count`` gradients each noise stream covers."""
+        return [(self.generator, list(range(count)))]
+
+    def _kernel_noised(
+        self, grads: list[torch.Tensor], factor: float, std: float
+    ) -> list[torch.Tensor] | None:
+        """``factor * g + noise`` by the noise kernel (:mod:`.noise_kernel`), or None."""
+        out: list = [None] * len(grads)
+        for generator, idx in self._noise_streams(len(grads)):
+            part = noise_kernel.noised([grads[i] for i in idx], generator, factor, std)
+            if part is None:
+                return None  # the torch path for all: seeds drawn here are simply not used
+            for i, t in zip(idx, part):
+                out[i] = t
+        return out
+
     def _param_states_key(self, params: list | None = None) -> tuple:
         """Identifies the current trainable parameters (and Opacus's ``grad_state``)."""
         return (id(self.grad_state), *map(id, self.params if params is None else params))
@@ -177,16 +195,17 @@ class FlatNoiseStep(ScaledWithNoise):
             return
         _, std = optimizer_noise_plan(self, 1)
         layout = self._noise_layout()
-        if std == 0 or not layout:
-            return
+        if std == 0 or not layout or noise_kernel.wanted(device for _, _, device in layout):
+            return  # nothing to draw ahead (the noise kernel draws inside the add)
         self._prefetched = NoisePrefetch(layout, std, self._draw_noise)
 
     @torch.no_grad()
     def _noised(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``factor * g + noise`` for each local gradient ``g``; the results are new tensors.
 
-        Views of one flat noise buffer per ``(dtype, device)`` (the prefetched ones when the
-        layout matches), the gradients added into them with :func:`add_scaled_into`; without
+        Views of one flat noise buffer per ``(dtype, device)``: written in one pass by the noise
+        kernel where it applies (:mod:`.noise_kernel`), else the prefetched draw (when the
+        layout matches) with the gradients added into it by :func:`add_scaled_into`; without
         noise the gradients are scaled in place and returned. Sets the flag that makes
         ``scale_grad`` a no-op for this step.
         """
@@ -200,6 +219,10 @@ class FlatNoiseStep(ScaledWithNoise):
                 torch._foreach_mul_(grads, factor)
             return grads
         layout = self._drawn_layout = noise_layout(grads)
+        if drawn is None and grads:
+            noised = self._kernel_noised(grads, factor, std)
+            if noised is not None:
+                return noised
         if drawn is None or prefetched.layout != layout:
             if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
                 self._layout_key = None
