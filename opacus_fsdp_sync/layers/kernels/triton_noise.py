@@ -103,6 +103,32 @@ def block_table(numels: list[int], block: int, device: torch.device):
     return starts.to(device), blk_tensor.to(device), blk_first.to(device)
 
 
+#: The last pointer table: ``(addresses, device tensor)`` (the gradients of a step usually
+#: reuse the previous step's memory).
+_LAST_POINTERS: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+
+def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 ``(K,)`` on ``device``: the tensors' data addresses, without a synchronisation.
+
+    A copy from pageable host memory synchronises the stream first (the host would wait for the
+    GPU to drain, measured at 4 ms a step on one H100); from pinned memory it is queued like a
+    kernel. The last table is kept and reused while the addresses stay the same.
+    """
+    global _LAST_POINTERS
+    addresses = tuple(t.data_ptr() for t in tensors)
+    last = _LAST_POINTERS
+    if last is not None and last[0] == addresses and last[1].device == device:
+        return last[1]
+    host = torch.tensor(addresses, dtype=torch.int64)
+    if device.type == "cuda":
+        table = host.pin_memory().to(device, non_blocking=True)
+    else:
+        table = host.to(device)
+    _LAST_POINTERS = (addresses, table)
+    return table
+
+
 def noised(
     grads: list[torch.Tensor], table, seed: torch.Tensor, factor: float, std: float, block: int
 ) -> torch.Tensor:
@@ -125,7 +151,7 @@ def noised(
     programs = blk_tensor.numel()
     if programs == 0:
         return out
-    ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).to(device)
+    ptrs = pointer_table(grads, device)
     on_cuda = device.type == "cuda"
     _noised_kernel[(programs,)](
         ptrs, starts, blk_tensor, blk_first, seed, out, float(factor), float(std),
