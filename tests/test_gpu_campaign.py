@@ -31,8 +31,8 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
     proc = _run(tmp_path, DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     cmds = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    assert len(cmds) == 8
-    suite, poisson, gram, ledger, profile, phases, rows_bench, hf_fsdp = cmds
+    assert len(cmds) == 9
+    suite, poisson, gram, ledger, profile, phases, rows_bench, noise_bench, hf_fsdp = cmds
     for rows in (suite, poisson):
         assert "BATCH_SIZE=8" in rows and "MODEL=llama3.2-1b" in rows
         assert "SEQ_LENGTHS=1024 2048 4096" in rows
@@ -50,6 +50,7 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
     assert "bench.trace_phases" in phases and "no_dp_seq1024.trace.json" in phases
     assert "SEQ_LENGTHS=1024 " in profile
     assert "row_kernels_bench.py > " in rows_bench and rows_bench.endswith("rows_bench.txt")
+    assert "noise_kernel_bench.py > " in noise_bench and noise_bench.endswith("noise_bench.txt")
     assert "examples/hf_sft.py --fsdp" in hf_fsdp  # accelerate's FSDP2 plugin, GPUs only
     assert not (tmp_path / "campaign").exists()  # nothing run
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.workers_noise_kernel import CASES as NOISE_CASES
 from tests.workers_row_kernels import CASES as ROW_CASES
 from tests.workers_row_kernels import seq_loss, seq_net_step_against_the_loop
 
@@ -279,6 +280,7 @@ CASES = {
     "engine_one_backward": case_engine_one_backward,
     "engine_tied_llama": case_engine_tied_llama,
     **ROW_CASES,
+    **NOISE_CASES,
 }
 
 

@@ -20,14 +20,16 @@
 #                     (bench/trace_phases.py: op_profile/phases.md);
 #   6. rows:          row_kernels_bench.py, the row kernels (coefficient scaling, Gram dots)
 #                     against the torch ops they replace, and a launch's host time;
-#   7. hf_fsdp:       examples/hf_sft.py through accelerate's FSDP2 plugin (DPSFTTrainer, 20
+#   7. noise:         noise_kernel_bench.py, the noise kernel against torch's draw and add on the
+#                     local gradients of Llama-3.2-1B, and a call's host time;
+#   8. hf_fsdp:       examples/hf_sft.py through accelerate's FSDP2 plugin (DPSFTTrainer, 20
 #                     steps), the integration path CPU tests cannot take (on CPU accelerate
 #                     wraps DDP instead); its summary line lands in hf_fsdp/summary.json.
 # A part that fails is reported and the next part runs; the script exits 1 at the end if any did.
 # Results go to results/<hardware>-campaign/ (hardware from nvidia-smi, else torch), with
 # campaign.md naming the hardware, software, commands and each part's wall time.
 # Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
-# ("suite poisson gram ledger profile rows hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
+# ("suite poisson gram ledger profile rows noise hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
 # POISSON_BATCH_SIZE, MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
 # DRY_RUN=1 (print the commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
@@ -43,7 +45,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHON=${PYTHON:-python3}  # run_all_experiments.sh starts the same interpreter
-PARTS=${PARTS:-"suite poisson gram ledger profile rows hf_fsdp"}
+PARTS=${PARTS:-"suite poisson gram ledger profile rows noise hf_fsdp"}
 MODEL=${MODEL:-llama3.2-1b}
 BATCH_SIZE=${BATCH_SIZE:-8}
 SEQ_LENGTHS=${SEQ_LENGTHS:-"1024 2048 4096"}
@@ -129,6 +131,9 @@ run_part() {  # one part; its status is its last command's
     rows)
       echo "+ $PYTHON $HERE/row_kernels_bench.py > $OUT/rows_bench.txt"
       [ "$DRY_RUN" = 1 ] || PYTHONUNBUFFERED=1 "$PYTHON" "$HERE/row_kernels_bench.py" >"$OUT/rows_bench.txt" ;;
+    noise)
+      echo "+ $PYTHON $HERE/noise_kernel_bench.py > $OUT/noise_bench.txt"
+      [ "$DRY_RUN" = 1 ] || PYTHONUNBUFFERED=1 "$PYTHON" "$HERE/noise_kernel_bench.py" >"$OUT/noise_bench.txt" ;;
     hf_fsdp)
       cmd=(env PYTHONUNBUFFERED=1 "$PYTHON" -m torch.distributed.run --standalone
         --nproc-per-node "${NPROC:-1}" "$HERE/../../examples/hf_sft.py" --fsdp --max-steps 20
@@ -142,8 +147,8 @@ run_part() {  # one part; its status is its last command's
 }
 for part in $PARTS; do
   case "$part" in
-    suite|poisson|gram|ledger|profile|rows|hf_fsdp) ;;
-    *) echo "PARTS: unknown part '$part' (use suite, poisson, gram, ledger, profile, rows, hf_fsdp)"
+    suite|poisson|gram|ledger|profile|rows|noise|hf_fsdp) ;;
+    *) echo "PARTS: unknown part '$part' (use suite, poisson, gram, ledger, profile, rows, noise, hf_fsdp)"
        exit 2 ;;
   esac
 done
@@ -179,6 +184,7 @@ PY
   [ -f "$OUT/gram_blocks/gram_blocks.md" ] && { echo "## gram_blocks.py"; echo; cat "$OUT/gram_blocks/gram_blocks.md"; echo; }
   [ -f "$OUT/hf_fsdp/summary.json" ] && { echo "## DPSFTTrainer, accelerate's FSDP2 plugin"; echo; cat "$OUT/hf_fsdp/summary.json"; echo; }
   [ -f "$OUT/rows_bench.txt" ] && { echo "## Row kernels against torch"; echo; sed 's/^/    /' "$OUT/rows_bench.txt"; echo; }
+  [ -f "$OUT/noise_bench.txt" ] && { echo "## Noise kernel against torch"; echo; sed 's/^/    /' "$OUT/noise_bench.txt"; echo; }
   [ -f "$OUT/op_profile/phases.md" ] && { echo "## Op profile by phase"; echo; cat "$OUT/op_profile/phases.md"; echo; }
   for f in "$OUT"/ledger/*.md; do [ -f "$f" ] && { echo "## Op ledger"; echo; cat "$f"; echo; }; done
   ls "$OUT"/op_profile/profiles/*.ops.txt 2>/dev/null | sed 's/^/op profile: /' || true

@@ -88,7 +88,7 @@ def main() -> None:
         ms = timed_ms(fn)
         print(
             f"{name}: {ms:.2f} ms a step for {numel / 1e9:.3f} G fp32 elements "
-            f"({traffic / ms:.0f} GB/s of {traffic:.1f} GB moved), host {host_us(fn):.0f} us"
+            f"({traffic / ms * 1e3:.0f} GB/s of {traffic:.1f} GB moved), host {host_us(fn):.0f} us"
         )
     zeros = [torch.zeros_like(g) for g in grads[:9]]
     z = torch.cat([t.flatten() for t in noise_kernel.noised(zeros, gen, 0.0, 1.0)])

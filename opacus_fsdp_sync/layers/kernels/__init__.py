@@ -8,6 +8,8 @@
 - :mod:`.availability`: whether Triton imports and whether the kernels apply to a tensor.
 - :mod:`.rows` / :mod:`.triton_rows`: the row kernels (the coefficients' row scaling and the
   Gram dots), on by default for large CUDA tensors (``OPACUS_FSDP_SYNC_ROW_KERNELS``).
+- :mod:`.triton_noise`: the noise kernel (the noised gradient in one pass), chosen by
+  :mod:`opacus_fsdp_sync.optimizers.noise_kernel` (``OPACUS_FSDP_SYNC_NOISE_KERNEL``).
 
 The option is :attr:`~opacus_fsdp_sync.options.GhostOptions.fused_kernels` (True: on CUDA, and
 on CPU under Triton's interpreter; None, the default, and False: the torch path, measured faster
