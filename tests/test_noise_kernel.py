@@ -90,6 +90,7 @@ def test_kernel_noise_is_the_scaled_sum_plus_noise(monkeypatch, backend):
         for case in res["result"].values():
             assert case["grad"] > 1e-3 and case["noise"] > 1e-3, res
             assert case["err"] <= 4 * 2**-24 * (case["noise"] + case["grad"]), res
+            assert case["fresh"], res  # step 1's noise is not step 0's
 
 
 @pytest.mark.distributed
@@ -101,11 +102,10 @@ def test_kernel_noise_is_independent_per_coordinate_with_the_right_scale(monkeyp
     r0, r1 = _kernel_ranks(monkeypatch, worker, "noise_draws", "full", backend)
     assert r0["launches"] >= 1 and r1["launches"] >= 1 and not r0["failed"], r0
     z = r0["result"]["noise"]
-    assert torch.equal(z, r1["result"]["noise"])
     n = z.numel()
     assert n > 20000
-    assert abs(z.std().item() - 1.0) < 4 / math.sqrt(n) * 3, z.std()
-    assert abs(z.mean().item()) < 4 / math.sqrt(n)
+    assert abs(z.std().item() - 1.0) < 5 / math.sqrt(2 * n), z.std()
+    assert abs(z.mean().item()) < 5 / math.sqrt(n)
     a, b = r0["result"]["local"], r1["result"]["local"]
     k = min(a.numel(), b.numel())
     assert abs(torch.corrcoef(torch.stack([a[:k], b[:k]]))[0, 1].item()) < 0.05
@@ -147,3 +147,55 @@ def test_noise_kernel_on_cuda(dtype, setting):
         assert flat.abs().max().item() <= 6.77
     again = noise_kernel.noised([torch.zeros_like(g) for g in grads], gen, 0.0, 1.0)
     assert not torch.equal(again[0], z[0])  # the generator moved on: a new seed
+
+
+@pytest.mark.distributed
+def test_replicas_of_a_shard_add_the_same_kernel_noise(monkeypatch):
+    """``no_shard``: both ranks hold every coordinate and must add the same noise."""
+    r0, r1 = _kernel_ranks(monkeypatch, workers_noise.with_noise_kernel, "noise_draws", "no_shard")
+    assert r0["launches"] >= 1 and r1["launches"] >= 1, (r0["launches"], r1["launches"])
+    assert torch.equal(r0["result"]["local"], r1["result"]["local"])
+    assert abs(r0["result"]["noise"].std().item() - 1.0) < 0.05
+
+
+@pytest.mark.distributed
+def test_ranks_agree_on_the_noise_path(monkeypatch):
+    """One rank asking for the kernel and one not: both draw with torch (replicas would
+    otherwise add different noise); both asking: both take the kernel, and the checkpoint's
+    layout record names it."""
+    worker = workers_noise.noise_path_agreement
+    for paths in _kernel_ranks(monkeypatch, worker, ["1", "0"]):
+        assert paths == ["torch", "torch"], paths
+    for paths in _kernel_ranks(monkeypatch, worker, ["1", "1"]):
+        assert paths == ["noise kernel on cpu"] * 2, paths
+
+
+def test_a_checkpoint_of_the_other_noise_path_is_refused():
+    """The same generator state gives other noise on the other path: a layout difference
+    (a checkpoint from before the kernel counts as the torch path)."""
+    from opacus_fsdp_sync.sharding.dp_state import _layout_difference
+
+    base = {"api": "fsdp2", "world_size": 2, "rank": 0, "optimizer": "X", "parameters": []}
+    kernel = dict(base, noise_path="noise kernel on cuda")
+    difference = _layout_difference(dict(base, noise_path="torch"), kernel)
+    assert difference is not None and "noise path" in difference, difference
+    assert _layout_difference(base, kernel) is not None  # an older checkpoint: torch
+    assert _layout_difference(base, dict(base, noise_path="torch")) is None
+    assert _layout_difference(kernel, dict(kernel)) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_noise_streams_with_the_kernel(monkeypatch):
+    """TP alone (2 ranks, two noise streams: tp-sharded and tp-replicated coordinates) with the
+    kernel: exact against the loop without noise; with noise, replicated coordinates get the
+    same noise on both ranks, the sharded halves independent noise, at the right scale."""
+    from tests import test_tp
+
+    worker = workers_noise.with_noise_kernel
+    ranks = _kernel_ranks(monkeypatch, worker, "tests.workers_tp:tensor_parallel", "tp_alone")
+    # two noise streams x two noisy steps (the noise-free run launches nothing)
+    assert all(r["launches"] >= 4 and not r["failed"] for r in ranks), ranks
+    results = [r["result"] for r in ranks]
+    test_tp.test_exact_against_the_clip_each_sample_loop(("tp_alone", results))
+    test_tp.test_noise_per_placement(("tp_alone", results))

@@ -288,7 +288,13 @@ def noised_gradient_is_scaled_sum_plus_noise(rank: int, world: int, backend: str
                 err = max(err, (ga - gb - expected).abs().max().item())
                 size = max(size, expected.abs().max().item())
                 noise = max(noise, gb.abs().max().item())
-        out[set_to_none] = {"err": err, "grad": size, "noise": noise}
+        # the zero-loss run's step gradients are its noise: a new draw at every step
+        fresh = all(
+            not torch.equal(a, b)
+            for a, b in zip(grads[True][0], grads[True][1])
+            if a is not None and a.numel() > 0
+        )
+        out[set_to_none] = {"err": err, "grad": size, "noise": noise, "fresh": fresh}
     return out
 
 
@@ -407,7 +413,8 @@ def threads_after_run(rank: int, world: int, backend: str = "fsdp2") -> dict:
 
 
 def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
-    """``name(rank, world, *args)`` of this module, counting the noise kernel's launches.
+    """``name(rank, world, *args)`` (this module's, or ``"module:function"``), counting the noise
+    kernel's launches.
 
     Run with ``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` under ``TRITON_INTERPRET=1``: returns the
     worker's result, the launches that returned and whether a launch failed (a failure hands
@@ -424,9 +431,37 @@ def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
         launches[0] += 1  # after it returned
         return out
 
+    if ":" in name:  # another module's worker, "module:function"
+        import importlib
+
+        module, _, function = name.partition(":")
+        worker = getattr(importlib.import_module(module), function)
+    else:
+        worker = globals()[name]
     triton_noise.noised = counted
     try:
-        result = globals()[name](rank, world, *args)
+        result = worker(rank, world, *args)
     finally:
         triton_noise.noised = original
     return {"result": result, "launches": launches[0], "failed": bool(noise_kernel._FAILED)}
+
+
+def noise_path_agreement(rank: int, world: int, wanted: list[str]) -> list[str]:
+    """The optimizer's noise path with ``OPACUS_FSDP_SYNC_NOISE_KERNEL=wanted[rank]`` on each
+    rank (under the interpreter), for FSDP2 and FSDP1: the ranks must agree."""
+    import os
+    import types
+
+    from opacus_fsdp_sync.optimizers import noise_kernel
+    from opacus_fsdp_sync.sharding.dp_state import noise_layout
+
+    os.environ[noise_kernel.ENV] = wanted[rank]
+    base, x, y = _wide_data(world, 1)
+    paths = []
+    for backend in ("fsdp2", "fsdp1"):
+        _, gsm, opt, _ = _private(base, x, y, world, backend=backend)
+        engine = types.SimpleNamespace(distributed_api=backend)
+        # what a checkpoint keeps
+        assert noise_layout(engine, opt)["noise_path"] == opt.noise_path()
+        paths.append(opt.noise_path())
+    return paths

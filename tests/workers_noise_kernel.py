@@ -7,33 +7,23 @@ with the kernel runs on FSDP2 and FSDP1 ranks in ``tests/test_noise_kernel.py``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
 import torch
+
+from tests.workers_row_kernels import switched
 
 #: Sizes around a program's block (the interpreter's 256): empty, one element, a partial last
 #: block, an exact block, several blocks.
 SHAPES = [(0, 4), (1,), (3, 85), (256,), (7, 300)]
 
 
-@contextlib.contextmanager
 def noise_kernel_on():
-    """``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` within the block."""
+    """``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` within the block (yields the module)."""
     from opacus_fsdp_sync.optimizers import noise_kernel
 
-    old = os.environ.get(noise_kernel.ENV)
-    os.environ[noise_kernel.ENV] = "1"
-    noise_kernel.refresh()
-    try:
-        yield noise_kernel
-    finally:
-        if old is None:
-            del os.environ[noise_kernel.ENV]
-        else:
-            os.environ[noise_kernel.ENV] = old
-        noise_kernel.refresh()
+    return switched(noise_kernel, "1")
 
 
 def _zeros_noise(nk, grads, generator):
@@ -77,7 +67,6 @@ def case_normal_distribution():
     assert abs(z.var().item() - 1) < 4 * math.sqrt(2 / n), z.var()
     tail = (z.abs() > 3).double().mean().item()  # normal: 2.70e-3
     assert abs(tail - 2.6998e-3) < 4 * math.sqrt(2.6998e-3 / n), tail
-    assert z.abs().max().item() <= 6.77
     cdf = 0.5 * (1 + torch.erf(torch.sort(z).values / math.sqrt(2)))
     above = torch.arange(1, n + 1, dtype=torch.float64) / n - cdf
     below = cdf - torch.arange(0, n, dtype=torch.float64) / n
@@ -102,23 +91,28 @@ def case_seeds_per_dtype_and_stream():
         assert not torch.equal(a.bfloat16(), b)
         assert abs(torch.corrcoef(torch.stack([a, b.float()]))[0, 1].item()) < 0.2
         probe = torch.Generator().manual_seed(1)
-        torch.randint(0, 2**62, (2,), generator=probe, dtype=torch.int64)
+        for _ in range(2):  # a key and a nonce per dtype group
+            torch.randint(0, 2**62, (2,), generator=probe, dtype=torch.int64)
         assert torch.equal(gen.get_state(), probe.get_state())
     return "one seed per dtype group, drawn from the stream's generator"
 
 
 def case_declines_and_failures():
-    """Where the kernel declines (non-contiguous, subclass, no generator, setting 0) and a
-    failed launch: None (the caller draws with torch), the device then keeps torch."""
+    """Where the kernel declines (non-contiguous, subclass, fp64, no generator, setting 0): None
+    (the caller draws with torch); a failed probe turns the device off, a failed launch raises
+    (falling back on one rank could give replicas different noise)."""
     from opacus_fsdp_sync.layers.kernels import triton_noise
     from opacus_fsdp_sync.optimizers import noise_kernel
 
     gen = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
     with noise_kernel_on() as nk:
         assert nk.noised([torch.zeros(4, 6).t()], gen, 1.0, 1.0) is None
         assert nk.noised([torch.zeros(3).to(torch.float64)], gen, 1.0, 1.0) is None
         assert nk.noised([torch.nn.Parameter(torch.zeros(3))], gen, 1.0, 1.0) is None
         assert nk.noised([torch.zeros(3)], None, 1.0, 1.0) is None
+        assert not nk.agree({cpu}, {torch.float64})
+        assert nk.agree({cpu}, {torch.float32})  # the probe launched
         original = triton_noise.noised
 
         def broken(*args, **kwargs):
@@ -126,21 +120,57 @@ def case_declines_and_failures():
 
         triton_noise.noised = broken
         try:
-            assert nk.noised([torch.zeros(3)], gen, 1.0, 1.0) is None
+            try:
+                nk.noised([torch.zeros(3)], gen, 1.0, 1.0)
+            except RuntimeError as error:
+                assert "OPACUS_FSDP_SYNC_NOISE_KERNEL=0" in str(error), error
+            else:
+                raise AssertionError("a failed launch must raise")
+            assert not nk.agree({cpu}, {torch.float32})  # the probe fails: off
         finally:
             triton_noise.noised = original
-        assert torch.device("cpu") in noise_kernel._FAILED
-        assert nk.noised([torch.zeros(3)], gen, 1.0, 1.0) is None  # the device keeps torch
+        assert cpu in noise_kernel._FAILED and not nk.wanted([cpu])
         noise_kernel._FAILED.clear()
         assert nk.noised([torch.zeros(3)], gen, 1.0, 1.0) is not None
     os.environ[noise_kernel.ENV] = "0"
     noise_kernel.refresh()
     try:
         assert noise_kernel.noised([torch.zeros(3)], gen, 1.0, 1.0) is None
+        assert not noise_kernel.agree({cpu}, {torch.float32})
     finally:
         del os.environ[noise_kernel.ENV]
         noise_kernel.refresh()
-    return "declined: strided, fp64, subclass, no generator, setting 0; failure falls back"
+    return "declined: strided, fp64, subclass, no generator, setting 0; probe off, launch raises"
+
+
+def case_box_muller_extremes():
+    """The largest draw (``x1 = 0``: ``u1 = 2^-33``, 6.7637) and ``u1 = 1`` (zero), by the
+    kernel's own transform."""
+    import triton
+    import triton.language as tl
+
+    from opacus_fsdp_sync.layers.kernels import triton_noise
+
+    globals()["_normal_pair"] = triton_noise._normal_pair  # the kernel resolves names here
+
+    @triton.jit
+    def pairs(x1_ptr, x2_ptr, z0_ptr, z1_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        z0, z1 = _normal_pair(tl.load(x1_ptr + i), tl.load(x2_ptr + i))  # noqa: F821
+        tl.store(z0_ptr + i, z0)
+        tl.store(z1_ptr + i, z1)
+
+    x1 = torch.tensor([0, 0, 2**32 - 1, 2**31], dtype=torch.int64).to(torch.uint32)
+    x2 = torch.tensor([0, 2**30, 0, 2**30], dtype=torch.int64).to(torch.uint32)
+    z0, z1 = torch.empty(4), torch.empty(4)
+    pairs[(1,)](x1, x2, z0, z1, N=4)
+    top = math.sqrt(-2 * math.log(2.0**-33))
+    assert abs(z0[0].item() - top) < 1e-5 and abs(z1[0].item()) < 1e-5, (z0, z1)
+    assert abs(z0[1].item()) < 1e-5 and abs(z1[1].item() - top) < 1e-5, (z0, z1)  # a quarter turn
+    assert z0[2].item() == 0.0 and z1[2].item() == 0.0  # u1 rounds to 1
+    r = math.sqrt(-2 * math.log(0.5))
+    assert abs(z1[3].item() - r) < 1e-5, z1
+    return f"largest draw {z0[0].item():.4f} (sqrt(2 ln 2^33) = {top:.4f})"
 
 
 CASES = {
@@ -148,4 +178,5 @@ CASES = {
     "noise_normal_distribution": case_normal_distribution,
     "noise_seeds_per_dtype": case_seeds_per_dtype_and_stream,
     "noise_declines_and_failures": case_declines_and_failures,
+    "noise_box_muller_extremes": case_box_muller_extremes,
 }

@@ -16,21 +16,26 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @contextlib.contextmanager
+def switched(module, value: str):
+    """``module.ENV=value`` within the block, ``module.refresh()`` read on entry and exit."""
+    old = os.environ.get(module.ENV)
+    os.environ[module.ENV] = value
+    module.refresh()
+    try:
+        yield module
+    finally:
+        if old is None:
+            del os.environ[module.ENV]
+        else:
+            os.environ[module.ENV] = old
+        module.refresh()
+
+
 def row_kernels(value: str):
     """``OPACUS_FSDP_SYNC_ROW_KERNELS=value`` within the block."""
     from opacus_fsdp_sync.layers.kernels import rows
 
-    old = os.environ.get(rows.ENV)
-    os.environ[rows.ENV] = value
-    rows.refresh()
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[rows.ENV]
-        else:
-            os.environ[rows.ENV] = old
-        rows.refresh()
+    return switched(rows, value)
 
 
 @contextlib.contextmanager

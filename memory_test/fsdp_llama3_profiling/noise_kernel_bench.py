@@ -19,6 +19,7 @@ import os
 import time
 
 import torch
+from row_kernels_bench import timed_us  # this folder's (the script's directory is on sys.path)
 
 from opacus_fsdp_sync.optimizers import noise_kernel
 from opacus_fsdp_sync.optimizers.noise_prefetch import draw_flat_noise, noise_layout
@@ -33,20 +34,6 @@ def llama_1b_shapes() -> list[tuple[int, ...]]:
         (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,),
     ]  # fmt: skip
     return [(vocab, hidden), *block * 16, (hidden,)]
-
-
-def timed_ms(fn, reps: int = 10) -> float:
-    """Mean milliseconds of ``fn`` over ``reps`` back-to-back calls (CUDA events)."""
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def host_us(fn, reps: int = 20) -> float:
@@ -85,7 +72,7 @@ def main() -> None:
 
     gb = numel * 4 / 1e9
     for name, fn, traffic in (("torch", torch_path, 4 * gb), ("kernel", kernel_path, 2 * gb)):
-        ms = timed_ms(fn)
+        ms = timed_us(fn, reps=10) / 1000
         print(
             f"{name}: {ms:.2f} ms a step for {numel / 1e9:.3f} G fp32 elements "
             f"({traffic / ms * 1e3:.0f} GB/s of {traffic:.1f} GB moved), host {host_us(fn):.0f} us"

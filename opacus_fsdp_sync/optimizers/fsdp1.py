@@ -35,6 +35,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         if not secure_mode:
             device = self.params[0].device if self.params else torch.device("cpu")
             self.generator = shard_generator(generator, device, (dist.get_rank(),))
+            self._decide_noise_path(self.params)
 
     def reseed_noise(self) -> None:
         """Fresh per-rank streams from OS entropy (collective); secure noise has no stream."""

@@ -84,6 +84,7 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
                 "Shard every trainable parameter (fully_shard on the root) or freeze them."
             )
         self._seed_streams(generator)
+        self._decide_noise_path([self._local(p) for p in self.params])
 
     def _seed_streams(self, generator) -> None:
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -96,7 +97,10 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
         return self.streams.draw(layout, std)
 
     def _noise_streams(self, count: int) -> list[tuple[object, list[int]]]:
-        """Each key's generator and the parameters it covers (:class:`NoiseStreams`)."""
+        """Each key's generator and the parameters it covers (:class:`NoiseStreams`).
+
+        ``count``, the number of gradients, is the number of parameters here.
+        """
         return list(zip(self.streams.generators, self.streams.members))
 
     def reseed_noise(self) -> None:

@@ -3,22 +3,28 @@
 The torch path draws ``N(0, std^2)`` into a buffer the size of every local gradient (during the
 backward, :mod:`.noise_prefetch`) and then adds ``factor * g`` into it: the noise is written
 once and read once more. The noise kernel writes ``factor * g + std * z`` in one pass, drawing
-``z`` in registers from Philox keyed by a 64-bit seed that the optimizer's noise generator draws
-on the device at each step (one seed per noise stream and dtype), so the noise still comes from
-that generator: from OS entropy unless the user seeded it, restarted by ``fresh_noise``, saved
-in checkpoints. A seed is never reused: every step draws new ones.
+``z`` in registers from Philox keyed by a 62-bit key and a 62-bit counter nonce that the
+optimizer's noise generator draws on the device at each launch (one launch per noise stream and
+dtype), so the noise still comes from that generator: from OS entropy unless the user seeded
+it, restarted by ``fresh_noise``, saved in checkpoints. Two launches share noise only if all 124
+random bits repeat.
 
 ``OPACUS_FSDP_SYNC_NOISE_KERNEL`` chooses: unset or ``auto`` on CUDA tensors where Triton
 imports; ``0`` never (the torch path everywhere); ``1`` wherever Triton can launch, the CPU
-under ``TRITON_INTERPRET=1`` included (the tests). It is read at ``make_private`` (logged) and
-on first use. The kernel takes contiguous plain tensors of fp32, bf16 or fp16 on one device;
-anything else, a generator on another device or a failed launch (logged once; the device then
-keeps the torch path) takes the torch path. ``secure_mode`` never gets here (its optimizers
+under ``TRITON_INTERPRET=1`` included (the tests). It is read at ``make_private`` (logged). Only
+this package's FSDP2 and FSDP1 optimizers take it; ``secure_mode`` never does (its optimizers
 draw from the OS CSPRNG through Opacus).
 
-What differs from the torch path: the numbers (another use of the generator), the tail (the
-kernel's ``|z|`` reaches 6.76 standard deviations, torch's CUDA ``normal_`` 6.66) and the
-rounding (one fused multiply-add may round where torch rounds the product and the sum).
+The two paths give different numbers for the same generator state, so replicas of a shard (HSDP,
+``no_shard``, tensor-parallel replicas), which must add the same noise, must take the same path:
+the optimizer decides once, before its first noised step, with every rank (:func:`agree`: a
+probe launch on each rank, then the minimum over all ranks), and a launch that fails after that
+raises instead of falling back. At a step, gradients the kernel does not take (non-contiguous,
+a subclass, fp64, several devices) take the torch path on every rank alike (the layout decides).
+
+What differs from the torch path: the numbers, and the rounding of ``factor * g + std * z`` (on
+CUDA one fused multiply-add may round once where torch rounds the product and the sum). The
+largest draw is 6.76 standard deviations on both paths.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
 
 from ..layers.kernels.availability import DTYPES, EnvSwitch, can_launch, triton_available
 
@@ -63,14 +70,14 @@ def describe() -> str:
     if not triton_available():
         return f"noise drawn by torch: triton does not import ({ENV}={choice})"
     where = "wherever Triton launches" if choice == "1" else "on CUDA"
-    return f"noise drawn inside the noised add {where} ({ENV}={choice})"
+    return f"FSDP2/FSDP1 noise drawn inside the noised add {where} ({ENV}={choice})"
 
 
-def wanted(devices) -> bool:
+def wanted(devices, dtypes=()) -> bool:
     """Whether the setting asks for the kernel on tensors on ``devices`` (an iterable).
 
     ``auto``: all on CUDA; ``1``: all where Triton can launch; ``0``: never. Devices where a
-    launch failed are declined.
+    probe launch failed, and dtypes the kernel does not take (``dtypes``, if given), decline.
     """
     devices = set(devices)
     choice = _SWITCH.setting()
@@ -78,10 +85,12 @@ def wanted(devices) -> bool:
         return False
     if choice == "auto" and any(d.type != "cuda" for d in devices):
         return False
+    if any(dtype not in DTYPES for dtype in dtypes):
+        return False
     return triton_available()
 
 
-def _applies(tensors: list[torch.Tensor]) -> bool:
+def applies(tensors: list[torch.Tensor]) -> bool:
     """Whether the tensors are plain, contiguous, of a kernel dtype, on one launchable device."""
     if not tensors or not wanted(t.device for t in tensors):
         return False
@@ -89,6 +98,51 @@ def _applies(tensors: list[torch.Tensor]) -> bool:
         if type(t) is not torch.Tensor or t.dtype not in DTYPES or not t.is_contiguous():
             return False
     return can_launch(*tensors)  # one device
+
+
+def _probe(device: torch.device) -> bool:
+    """Whether the kernel compiles and runs on ``device`` (one tiny launch; logged if not)."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        _launch([torch.zeros(4, device=device)], gen, 1.0, 1.0)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot run is the torch path
+        _FAILED.add(device)
+        logger.warning(
+            "[Ghost] noise kernel cannot run on %s (%s: %s); the noise is drawn by torch",
+            device, type(error).__name__, error,
+        )  # fmt: skip
+        return False
+    return True
+
+
+def agree(devices, dtypes) -> bool:
+    """Whether the noise kernel runs, decided with every rank (collective when distributed).
+
+    Each rank checks the setting and the devices and dtypes of its gradients (:func:`wanted`)
+    and launches the kernel once on a tiny tensor; the kernel runs only if it does on every
+    rank (replicas must add the same noise, and the two paths' numbers differ).
+
+    Args:
+        devices: The devices of this rank's gradients.
+        dtypes: Their dtypes.
+
+    Returns:
+        True on every rank, or False on every rank.
+    """
+    devices = set(devices)
+    ok = wanted(devices, dtypes) and len(devices) == 1 and all(map(_probe, devices))
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    cuda = next((d for d in devices if d.type == "cuda"), None)
+    where = cuda if cuda is not None and dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([int(ok)], device=where)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    agreed = bool(flag.item())
+    if ok and not agreed:
+        logger.warning("[Ghost] noise kernel off: another rank cannot run it (replicas agree)")
+    return agreed
 
 
 @functools.lru_cache(maxsize=16)
@@ -100,21 +154,34 @@ def _table(numels: tuple[int, ...], block: int, device: torch.device):
 
 
 def _seed(generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """A fresh 62-bit Philox key from ``generator``, as an int64 ``(1,)`` tensor on ``device``."""
+    """A fresh 62-bit Philox key and counter nonce from ``generator``: int64 ``(2,)``.
+
+    Raises:
+        ValueError: ``generator`` is not on ``device`` (the copy would synchronise the host).
+    """
+    if generator.device.type != device.type:
+        raise ValueError(
+            f"the noise generator is on {generator.device}, the gradients on {device}: the "
+            "noise kernel draws its seeds on the gradients' device"
+        )
     seed = torch.randint(
-        0, 2**62, (1,), generator=generator, dtype=torch.int64, device=generator.device
+        0, 2**62, (2,), generator=generator, dtype=torch.int64, device=generator.device
     )
     return seed.to(device)
 
 
 def _launch(group: list[torch.Tensor], generator, factor: float, std: float) -> torch.Tensor:
-    """The flat noised ``group`` (one dtype and device), by the kernel."""
+    """The flat noised ``group`` (one dtype and device), by the kernel, on its device."""
     from ..layers.kernels import triton_noise
 
     device = group[0].device
     block = triton_noise.block_size(device)
     table = _table(tuple(t.numel() for t in group), block, device)
-    return triton_noise.noised(group, table, _seed(generator, device), factor, std, block)
+    seed = _seed(generator, device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # Triton launches on the current device
+            return triton_noise.noised(group, table, seed, factor, std, block)
+    return triton_noise.noised(group, table, seed, factor, std, block)
 
 
 def noised(
@@ -124,37 +191,36 @@ def noised(
 
     Args:
         tensors: The local gradients of one noise stream.
-        generator: That stream's generator (a seed is drawn from it per dtype and device).
+        generator: That stream's generator, on their device (a key and a nonce are drawn from
+            it per dtype).
         factor: The gradients' scale.
         std: The noise's standard deviation (positive).
 
     Returns:
-        New tensors of the inputs' shapes (views of one flat buffer per dtype and device), or
-        None where the kernel does not apply (the caller takes the torch path).
+        New tensors of the inputs' shapes (views of one flat buffer per dtype), or None where
+        the kernel does not take them (:func:`applies`; the caller takes the torch path).
+
+    Raises:
+        RuntimeError: A launch failed (after :func:`agree` found the kernel working: falling
+            back on one rank could give replicas different noise).
     """
-    if generator is None or not _applies(tensors):
+    if generator is None or not applies(tensors):
         return None
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.dtype, t.device), []).append(i)
+        groups.setdefault(t.dtype, []).append(i)
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for (_, device), idx in groups.items():
+    for idx in groups.values():
         group = [tensors[i] for i in idx]
         try:
-            if device.type == "cuda":
-                with torch.cuda.device(device):  # Triton launches on the current device
-                    flat = _launch(group, generator, factor, std)
-            else:
-                flat = _launch(group, generator, factor, std)
+            flat = _launch(group, generator, factor, std)
         except torch.OutOfMemoryError:
-            raise  # the torch path needs a buffer of the same size
-        except Exception as error:  # noqa: BLE001 - a kernel that cannot run is the torch path
-            _FAILED.add(device)
-            logger.warning(
-                "[Ghost] noise kernel failed on %s (%s: %s); this device draws with torch",
-                device, type(error).__name__, error,
-            )  # fmt: skip
-            return None
+            raise
+        except Exception as error:
+            raise RuntimeError(
+                f"the noise kernel failed on {group[0].device} ({type(error).__name__}: "
+                f"{error}); set {ENV}=0 to draw the noise with torch on every rank"
+            ) from error
         for i, part in zip(idx, flat.split([t.numel() for t in group])):
             out[i] = part.view(tensors[i].shape)
     return out

@@ -4,11 +4,12 @@ A DP step turns the summed clipped gradient ``s`` into ``factor * s + noise``: `
 ``1 / (expected batch x accumulated iterations)`` for a mean loss (what Opacus's ``scale_grad``
 divides by) and ``world_size`` for a sum whose collective averaged; the noise's standard deviation
 carries the same scaling. Opacus computes it in three or four passes (copy, add the noise, scale).
-Here the noise is drawn already scaled (during the backward where possible) and
-``noise += factor * s`` (one ``_foreach_add_``) reads the gradient and the noise once and writes
-once; the gradient then points at the noise buffer. ``factor * s`` is rounded as a separate scale
-would round it (a fused multiply-add may round once), so the result is within one rounding of
-Opacus's.
+Here it is one pass: on the torch path the noise is drawn already scaled (during the backward
+where possible) and ``noise += factor * s`` (one ``_foreach_add_``) reads the gradient and the
+noise once and writes once, ``factor * s`` rounded as a separate scale would round it (a fused
+multiply-add may round once), so the result is within one rounding of Opacus's; with the noise
+kernel (:mod:`.noise_kernel`, CUDA) one kernel reads the gradient and writes ``factor * s +
+noise``, drawing the noise inside. The gradient then points at the new buffer.
 """
 
 from __future__ import annotations
@@ -116,10 +117,15 @@ class FlatNoiseStep(ScaledWithNoise):
 
     The subclass provides :meth:`_noise_layout` (the local gradients' shapes, dtypes and devices,
     known before the gradients, or None) and an ``add_noise`` that collects the local gradients
-    and calls :meth:`_noised`. The noise of the next step, already split into gradient-shaped
-    views, is drawn during the backward (:meth:`prefetch_noise`, called by the engine); the same
-    seed gives the same noise either way.
+    and calls :meth:`_noised`. On the torch path the noise of the next step, already split into
+    gradient-shaped views, is drawn during the backward (:meth:`prefetch_noise`, called by the
+    engine; the same seed gives the same noise either way); with the noise kernel, decided once
+    with every rank (:meth:`_decide_noise_path`, which the subclass calls at construction),
+    nothing is drawn ahead.
     """
+
+    #: Whether the noise kernel draws this optimizer's noise (:meth:`_decide_noise_path`).
+    _noise_kernel = False
 
     #: Cache key of a subclass's :meth:`_noise_layout`; reset when a prefetched layout is stale.
     _layout_key = None
@@ -140,15 +146,43 @@ class FlatNoiseStep(ScaledWithNoise):
         """``[(generator, indices)]``: which of ``count`` gradients each noise stream covers."""
         return [(self.generator, list(range(count)))]
 
+    def _decide_noise_path(self, params: list) -> None:
+        """Decides, with every rank, whether the noise kernel draws the noise (collective).
+
+        Replicas of a shard must add the same noise and the two paths' numbers differ, so the
+        choice is made once for all ranks (:func:`.noise_kernel.agree`), from the devices and
+        dtypes of ``params`` (the local shards, as the gradients will be).
+        """
+        self._noise_kernel = noise_kernel.agree(
+            {p.device for p in params}, {p.dtype for p in params}
+        )
+
+    def noise_path(self) -> str:
+        """What draws this optimizer's noise: ``"noise kernel on <device type>"`` or ``"torch"``.
+
+        A checkpoint records it: the same generator state gives other noise on the other path.
+        """
+        if not self._noise_kernel:
+            return "torch"
+        return f"noise kernel on {self.params[0].device.type}"
+
     def _kernel_noised(
         self, grads: list[torch.Tensor], factor: float, std: float
     ) -> list[torch.Tensor] | None:
-        """``factor * g + noise`` by the noise kernel (:mod:`.noise_kernel`), or None."""
+        """``factor * g + noise`` by the noise kernel (:mod:`.noise_kernel`), or None.
+
+        None where the kernel does not take these gradients, decided for all of them before any
+        launch (the layout decides, alike on every rank).
+        """
+        if not noise_kernel.applies(grads):
+            return None
+        streams = self._noise_streams(len(grads))
+        kind = grads[0].device.type
+        if any(gen is None or gen.device.type != kind for gen, _ in streams):
+            return None  # the kernel draws its keys on the gradients' device
         out: list = [None] * len(grads)
-        for generator, idx in self._noise_streams(len(grads)):
+        for generator, idx in streams:
             part = noise_kernel.noised([grads[i] for i in idx], generator, factor, std)
-            if part is None:
-                return None  # the torch path for all: seeds drawn here are simply not used
             for i, t in zip(idx, part):
                 out[i] = t
         return out
@@ -195,7 +229,7 @@ class FlatNoiseStep(ScaledWithNoise):
             return
         _, std = optimizer_noise_plan(self, 1)
         layout = self._noise_layout()
-        if std == 0 or not layout or noise_kernel.wanted(device for _, _, device in layout):
+        if std == 0 or not layout or self._noise_kernel:
             return  # nothing to draw ahead (the noise kernel draws inside the add)
         self._prefetched = NoisePrefetch(layout, std, self._draw_noise)
 
@@ -219,7 +253,7 @@ class FlatNoiseStep(ScaledWithNoise):
                 torch._foreach_mul_(grads, factor)
             return grads
         layout = self._drawn_layout = noise_layout(grads)
-        if drawn is None and grads:
+        if drawn is None and grads and self._noise_kernel:
             noised = self._kernel_noised(grads, factor, std)
             if noised is not None:
                 return noised

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..optimizers.noised_step import FlatNoiseStep
 from ..optimizers.ops import optimizer_ops
 from ..randomness import broadcast_seed, os_seed
 from ..sampling.ledger import DrawLedger, LedgerPosition, ledger_name, read_ledger
@@ -113,6 +114,8 @@ def noise_layout(engine, optimizer) -> dict:
         "world_size": world,
         "rank": rank,
         "optimizer": type(optimizer).__name__,
+        # the same generator state gives other noise from the noise kernel than from torch
+        "noise_path": optimizer.noise_path() if isinstance(optimizer, FlatNoiseStep) else "torch",
         "parameters": [_placement(p) for p in optimizer.params],
     }
 
@@ -122,6 +125,12 @@ def _layout_difference(saved: dict, now: dict) -> str | None:
     for key in ("api", "world_size", "rank", "optimizer"):
         if saved.get(key) != now.get(key):
             return f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
+    saved_path = saved.get("noise_path", "torch")  # before the noise kernel: always torch
+    if saved_path != now.get("noise_path", "torch"):
+        return (
+            f"noise path: saved {saved_path!r}, now {now.get('noise_path')!r} (set "
+            "OPACUS_FSDP_SYNC_NOISE_KERNEL to the saved run's path)"
+        )
     saved_params, now_params = saved["parameters"], now["parameters"]
     if len(saved_params) != len(now_params):
         return f"trainable parameters: saved {len(saved_params)}, now {len(now_params)}"

@@ -10,13 +10,15 @@ the tensor and the first element it handles (``BLOCK`` elements of one tensor), 
 tail never shares a program with the next tensor. The output is one flat buffer in the tensors'
 order.
 
-The normals: Philox-4x32-10 (``tl.randint4x``, the generator torch's CUDA ``normal_`` also
-builds on) keyed by a 64-bit seed read from device memory (no host synchronisation), its counter
-the program's index times ``BLOCK / 4`` plus the lane (unique within a launch for up to 2^41
-counters); each counter's four 32-bit words make two pairs, each turned into two normals by
-Box-Muller, as torch's CUDA generator does: ``u1 = (x1 + 0.5) / 2^32`` in ``(0, 1]`` (fp32), so
-``|z| <= sqrt(2 ln 2^33) = 6.76`` (torch's CUDA ``normal_``: 6.66), and ``u2 = x2 / 2^32``
-for the angle. The noise of an element depends on the seed, the tensors' sizes and ``BLOCK``.
+The normals: Philox-4x32-10 (``tl.philox``, the generator torch's CUDA ``normal_`` also builds
+on) keyed by a 62-bit key, its 128-bit counter the program's index times ``BLOCK / 4`` plus the
+lane (two words: unique within a launch) and a 62-bit nonce (the other two words). Key and
+nonce are read from device memory (no host synchronisation); the caller draws both at every
+launch, so two launches share noise only if 124 random bits repeat. Each counter's four 32-bit
+words make two pairs, each turned into two normals by Box-Muller as curand (torch's CUDA
+``normal_``) does: ``u1 = (x1 + 0.5) / 2^32`` in ``(0, 1]`` (fp32), so ``|z| <= sqrt(2 ln
+2^33) = 6.76`` on both paths, and ``u2 = x2 / 2^32`` for the angle. The noise of an element
+depends on the key, the nonce, the tensors' sizes and ``BLOCK``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ import triton.language as tl
 
 from .triton_linear import _to
 
-#: Elements per program on CUDA / under the CPU interpreter (a multiple of 4: four normals per
-#: Philox counter).
+#: Elements per program on CUDA / under the CPU interpreter (four times a power of two: four
+#: normals per Philox counter, ``tl.arange`` over a quarter).
 BLOCK_CUDA = 4096
 INTERPRETER_BLOCK = 256
-#: ``2^-32``: a 32-bit word to a fraction.
-_TWO_TO_MINUS_32 = 2.3283064365386963e-10
 
 
 @triton.jit
@@ -72,7 +72,13 @@ def _noised_kernel(
     g_ptr = tl.load(ptrs_ptr + k).to(out_ptr.dtype)
     lane = tl.arange(0, Q)
     counter = pid.to(tl.int64) * Q + lane
-    x0, x1, x2, x3 = tl.randint4x(tl.load(seed_ptr), counter)
+    nonce = tl.load(seed_ptr + 1)
+    c0 = counter.to(tl.uint32)  # the low word
+    zero = c0 * 0
+    c1 = (counter >> 32).to(tl.uint32)
+    c2 = zero + (nonce & 0xFFFFFFFF).to(tl.uint32)
+    c3 = zero + (nonce >> 32).to(tl.uint32)
+    x0, x1, x2, x3 = tl.philox(tl.load(seed_ptr), c0, c1, c2, c3)
     z0, z1 = _normal_pair(x0, x1)
     z2, z3 = _normal_pair(x2, x3)
     _noised_quarter(g_ptr, out_ptr, start, first, n, 0, lane, z0, factor, std, UPCAST, Q)
@@ -86,11 +92,20 @@ def block_size(device: torch.device) -> int:
     return BLOCK_CUDA if device.type == "cuda" else INTERPRETER_BLOCK
 
 
-def block_table(numels: list[int], block: int, device: torch.device):
-    """``(starts, blk_tensor, blk_first)`` for tensors of ``numels`` elements, on ``device``.
+def block_table(
+    numels: list[int], block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch's block table for tensors of ``numels`` elements.
 
-    ``starts``: int64 ``(K + 1,)`` offsets of each tensor in the flat output; per program
-    (``block`` elements of one tensor): its tensor (int32) and its first element (int64).
+    Args:
+        numels: Each tensor's elements, in order.
+        block: Elements per program.
+        device: Where the table goes.
+
+    Returns:
+        ``(starts, blk_tensor, blk_first)`` on ``device``: int64 ``(K + 1,)`` offsets of each
+        tensor in the flat output; per program (``block`` elements of one tensor) its tensor
+        (int32) and its first element (int64).
     """
     counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
     starts = torch.zeros(len(numels) + 1, dtype=torch.int64)
@@ -103,44 +118,64 @@ def block_table(numels: list[int], block: int, device: torch.device):
     return starts.to(device), blk_tensor.to(device), blk_first.to(device)
 
 
-#: The last pointer table: ``(addresses, device tensor)`` (the gradients of a step usually
-#: reuse the previous step's memory).
-_LAST_POINTERS: tuple[tuple[int, ...], torch.Tensor] | None = None
+#: Pointer tables by addresses (the gradients of a step usually reuse the previous step's
+#: memory): at most :data:`_KEPT_TABLES`, the oldest dropped first.
+_POINTERS: dict[tuple[int, ...], torch.Tensor] = {}
+_KEPT_TABLES = 8
 
 
 def pointer_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """int64 ``(K,)`` on ``device``: the tensors' data addresses, without a synchronisation.
+    """The tensors' data addresses as int64 ``(K,)`` on ``device``, without a synchronisation.
 
-    A copy from pageable host memory synchronises the stream first (the host would wait for the
-    GPU to drain, measured at 4 ms a step on one H100); from pinned memory it is queued like a
-    kernel. The last table is kept and reused while the addresses stay the same.
+    A copy from pageable host memory synchronises the stream first (the host waited for the GPU
+    to drain, 4 ms a step on one H100); from pinned memory it is queued like a kernel. Tables are
+    kept and reused while the addresses stay the same.
+
+    Args:
+        tensors: The tensors (their ``data_ptr()``, storage offsets included).
+        device: Where the kernel runs.
+
+    Returns:
+        The table (recorded on the current stream when on CUDA).
     """
-    global _LAST_POINTERS
     addresses = tuple(t.data_ptr() for t in tensors)
-    last = _LAST_POINTERS
-    if last is not None and last[0] == addresses and last[1].device == device:
-        return last[1]
-    host = torch.tensor(addresses, dtype=torch.int64)
-    if device.type == "cuda":
-        table = host.pin_memory().to(device, non_blocking=True)
-    else:
-        table = host.to(device)
-    _LAST_POINTERS = (addresses, table)
+    table = _POINTERS.get(addresses)
+    if table is None or table.device != device:
+        host = torch.tensor(addresses, dtype=torch.int64)
+        if device.type == "cuda":
+            table = host.pin_memory().to(device, non_blocking=True)
+        else:
+            table = host.to(device)
+        if len(_POINTERS) >= _KEPT_TABLES:
+            del _POINTERS[next(iter(_POINTERS))]
+        _POINTERS[addresses] = table
     return table
 
 
+def _on_current_stream(*tensors: torch.Tensor) -> None:
+    """Marks cached tables as used by the current CUDA stream (their memory waits for it)."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def noised(
-    grads: list[torch.Tensor], table, seed: torch.Tensor, factor: float, std: float, block: int
+    grads: list[torch.Tensor],
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    seed: torch.Tensor,
+    factor: float,
+    std: float,
+    block: int,
 ) -> torch.Tensor:
     """The flat ``factor * g + std * z`` of contiguous same-dtype ``grads``, in their order.
 
     Args:
         grads: Contiguous tensors of one dtype (fp32, bf16 or fp16) on one device.
         table: :func:`block_table` of their sizes at ``block``.
-        seed: int64 ``(1,)`` on their device: Philox's key.
+        seed: int64 ``(2,)`` on their device: Philox's key and the counter's nonce.
         factor: The gradients' scale.
         std: The noise's standard deviation.
-        block: Elements per program (a multiple of 4).
+        block: Elements per program (:data:`BLOCK_CUDA` or :data:`INTERPRETER_BLOCK`).
 
     Returns:
         A new flat tensor of their total size and dtype.
@@ -152,6 +187,7 @@ def noised(
     if programs == 0:
         return out
     ptrs = pointer_table(grads, device)
+    _on_current_stream(ptrs, *table)
     on_cuda = device.type == "cuda"
     _noised_kernel[(programs,)](
         ptrs, starts, blk_tensor, blk_first, seed, out, float(factor), float(std),
