@@ -75,10 +75,17 @@ def _purpose_code(purpose: str, index: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def _comm_device(device: torch.device | None) -> torch.device:
-    if device is not None and dist.get_backend() == "nccl":
-        return device
-    if dist.get_backend() == "nccl":
+def comm_device(device: torch.device | None = None) -> torch.device:
+    """Where a small tensor for a collective on the default group goes.
+
+    The CPU wherever gloo serves the group (``gloo``, ``cpu:gloo,cuda:nccl``); under NCCL alone
+    ``device`` if it is a CUDA device, else the current CUDA device (never a CPU tensor, which
+    NCCL refuses: FSDP2's CPU offload keeps the shards there).
+    """
+    backend = dist.get_backend()
+    if "nccl" in backend and "gloo" not in backend:
+        if device is not None and device.type == "cuda":
+            return device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -90,7 +97,7 @@ def broadcast_seed(seed: int, device: torch.device | None = None) -> int:
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return seed
-    t = torch.tensor([seed], dtype=torch.int64, device=_comm_device(device))
+    t = torch.tensor([seed], dtype=torch.int64, device=comm_device(device))
     dist.broadcast(t, src=0)
     return int(t.item())
 
@@ -286,8 +293,7 @@ def shared_generator(generator: torch.Generator | None, device: torch.device) ->
             )
             shared.manual_seed(seed)
     state = shared.get_state()
-    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    buf = state.to(comm_device)
+    buf = state.to(comm_device(device))
     dist.broadcast(buf, src=0)
     shared.set_state(buf.cpu())
     return shared

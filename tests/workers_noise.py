@@ -414,17 +414,17 @@ def threads_after_run(rank: int, world: int, backend: str = "fsdp2") -> dict:
 
 def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
     """``name(rank, world, *args)`` (this module's, or ``"module:function"``), counting the noise
-    kernel's launches.
+    kernel's launches at steps.
 
     Run with ``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` under ``TRITON_INTERPRET=1``: returns the
-    worker's result, the launches that returned and whether a launch failed (a failure hands
-    the step to torch's draw).
+    worker's result, the launches at steps that returned (one per noise stream and noised step;
+    :func:`~opacus_fsdp_sync.optimizers.noise_kernel.agree`'s probes are not counted) and
+    whether a probe failed (which would have turned the kernel off).
     """
-    from opacus_fsdp_sync.layers.kernels import triton_noise
     from opacus_fsdp_sync.optimizers import noise_kernel
 
     launches = [0]
-    original = triton_noise.noised
+    original = noise_kernel.noised_agreed
 
     def counted(*a, **kw):
         out = original(*a, **kw)
@@ -438,11 +438,11 @@ def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
         worker = getattr(importlib.import_module(module), function)
     else:
         worker = globals()[name]
-    triton_noise.noised = counted
+    noise_kernel.noised_agreed = counted
     try:
         result = worker(rank, world, *args)
     finally:
-        triton_noise.noised = original
+        noise_kernel.noised_agreed = original
     return {"result": result, "launches": launches[0], "failed": bool(noise_kernel._FAILED)}
 
 

@@ -112,7 +112,10 @@ def case_declines_and_failures():
         assert nk.noised([torch.nn.Parameter(torch.zeros(3))], gen, 1.0, 1.0) is None
         assert nk.noised([torch.zeros(3)], None, 1.0, 1.0) is None
         assert not nk.agree({cpu}, {torch.float64})
-        assert nk.agree({cpu}, {torch.float32})  # the probe launched
+        assert nk.agree({cpu}, {torch.float32, torch.bfloat16})  # probes for both dtypes
+        strided = torch.randn(4, 6, generator=gen).t()  # agreed: copied, not declined
+        (out,) = nk.noised_agreed([strided], gen, 0.0, 1.0)
+        assert out.shape == strided.shape and out.std().item() > 0.1
         original = triton_noise.noised
 
         def broken(*args, **kwargs):
@@ -140,7 +143,10 @@ def case_declines_and_failures():
     finally:
         del os.environ[noise_kernel.ENV]
         noise_kernel.refresh()
-    return "declined: strided, fp64, subclass, no generator, setting 0; probe off, launch raises"
+    return (
+        "declined: strided, fp64, subclass, no generator, setting 0 (agreed: strided copied); "
+        "probe off, launch raises"
+    )
 
 
 def case_box_muller_extremes():
@@ -173,10 +179,32 @@ def case_box_muller_extremes():
     return f"largest draw {z0[0].item():.4f} (sqrt(2 ln 2^33) = {top:.4f})"
 
 
+def case_key_and_nonce_both_count():
+    """The same key with another nonce, and the same nonce with another key: other noise (the
+    nonce reaches Philox's counter words)."""
+    from opacus_fsdp_sync.layers.kernels import triton_noise
+
+    block = triton_noise.INTERPRETER_BLOCK
+    zeros = [torch.zeros(2 * block)]
+    table = triton_noise.block_table([2 * block], block, torch.device("cpu"))
+
+    def draw(key, nonce):
+        seed = torch.tensor([key, nonce], dtype=torch.int64)
+        return triton_noise.noised(zeros, table, seed, 0.0, 1.0, block)
+
+    base = draw(12345, 777)
+    assert torch.equal(base, draw(12345, 777))
+    for other in (draw(12345, 778), draw(12346, 777), draw(12345, 777 + 2**32)):
+        assert not torch.equal(base, other)
+        assert abs(torch.corrcoef(torch.stack([base, other]))[0, 1].item()) < 0.2
+    return "key, nonce low and high words each change the noise"
+
+
 CASES = {
     "noise_formula_bits": case_formula_bits,
     "noise_normal_distribution": case_normal_distribution,
     "noise_seeds_per_dtype": case_seeds_per_dtype_and_stream,
     "noise_declines_and_failures": case_declines_and_failures,
     "noise_box_muller_extremes": case_box_muller_extremes,
+    "noise_key_and_nonce": case_key_and_nonce_both_count,
 }

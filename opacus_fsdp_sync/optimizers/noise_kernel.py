@@ -17,14 +17,14 @@ draw from the OS CSPRNG through Opacus).
 
 The two paths give different numbers for the same generator state, so replicas of a shard (HSDP,
 ``no_shard``, tensor-parallel replicas), which must add the same noise, must take the same path:
-the optimizer decides once, before its first noised step, with every rank (:func:`agree`: a
-probe launch on each rank, then the minimum over all ranks), and a launch that fails after that
-raises instead of falling back. At a step, gradients the kernel does not take (non-contiguous,
-a subclass, fp64, several devices) take the torch path on every rank alike (the layout decides).
+the optimizer decides once, at its construction, with every rank (:func:`agree`: probe launches
+on each rank for each dtype, waited for, then the minimum over all ranks). After that nothing a
+single process sees changes the path: the step launches whatever it gets (a non-contiguous
+gradient copied first), and a launch that fails raises instead of falling back.
 
 What differs from the torch path: the numbers, and the rounding of ``factor * g + std * z`` (on
-CUDA one fused multiply-add may round once where torch rounds the product and the sum). The
-largest draw is 6.76 standard deviations on both paths.
+CUDA one fused multiply-add may round once where torch rounds the product and the sum). On CUDA
+the largest draw is 6.76 standard deviations on both paths (curand's Box-Muller is the same).
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ import torch
 import torch.distributed as dist
 
 from ..layers.kernels.availability import DTYPES, EnvSwitch, can_launch, triton_available
+from ..randomness import comm_device
 
 logger = logging.getLogger(__name__)
 
 #: The environment variable that turns the noise kernel on or off (see the module docstring).
 ENV = "OPACUS_FSDP_SYNC_NOISE_KERNEL"
 _SWITCH = EnvSwitch(ENV, "CUDA tensors")
+#: The kernel's way of drawing, recorded in checkpoints (another version: other noise from the
+#: same generator state). v2: a 62-bit key and a 62-bit counter nonce per launch, programs of
+#: 4096 elements on CUDA (256 under the interpreter).
+VERSION = "v2"
 #: Devices where a launch failed: they keep the torch path for the rest of the process.
 _FAILED: set[torch.device] = set()
 
@@ -100,14 +105,21 @@ def applies(tensors: list[torch.Tensor]) -> bool:
     return can_launch(*tensors)  # one device
 
 
-def _probe(device: torch.device) -> bool:
-    """Whether the kernel compiles and runs on ``device`` (one tiny launch; logged if not)."""
+def _probe(device: torch.device, dtypes) -> bool:
+    """Whether the kernel compiles and runs on ``device`` for each of ``dtypes``.
+
+    Tiny launches, waited for; logged if not. Never raises (out of memory included): every rank
+    must reach :func:`agree`'s vote.
+    """
     try:
         gen = torch.Generator(device=device).manual_seed(0)
-        _launch([torch.zeros(4, device=device)], gen, 1.0, 1.0)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a kernel that cannot run is the torch path
+        for dtype in sorted(set(dtypes), key=str):
+            out = _launch([torch.ones(5, dtype=dtype, device=device)], gen, 1.0, 1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if not bool(torch.isfinite(out).all()):
+                raise RuntimeError(f"non-finite output for {dtype}")
+    except Exception as error:  # noqa: BLE001 - out of memory included: the vote decides
         _FAILED.add(device)
         logger.warning(
             "[Ghost] noise kernel cannot run on %s (%s: %s); the noise is drawn by torch",
@@ -131,13 +143,11 @@ def agree(devices, dtypes) -> bool:
     Returns:
         True on every rank, or False on every rank.
     """
-    devices = set(devices)
-    ok = wanted(devices, dtypes) and len(devices) == 1 and all(map(_probe, devices))
+    devices, dtypes = set(devices), set(dtypes)
+    ok = wanted(devices, dtypes) and len(devices) == 1 and _probe(next(iter(devices)), dtypes)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return ok
-    cuda = next((d for d in devices if d.type == "cuda"), None)
-    where = cuda if cuda is not None and dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([int(ok)], device=where)
+    flag = torch.tensor([int(ok)], device=comm_device(next(iter(devices), None)))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     agreed = bool(flag.item())
     if ok and not agreed:
@@ -187,31 +197,48 @@ def _launch(group: list[torch.Tensor], generator, factor: float, std: float) -> 
 def noised(
     tensors: list[torch.Tensor], generator, factor: float, std: float
 ) -> list[torch.Tensor] | None:
+    """``factor * t + N(0, std^2)`` for each tensor by the kernel, where the setting takes them.
+
+    For a caller without an agreed path (benchmarks, tests); the optimizers call
+    :func:`noised_agreed` after :func:`agree`.
+
+    Returns:
+        As :func:`noised_agreed`, or None where :func:`applies` declines the tensors or there
+        is no generator.
+    """
+    if generator is None or not applies(tensors):
+        return None
+    return noised_agreed(tensors, generator, factor, std)
+
+
+def noised_agreed(
+    tensors: list[torch.Tensor], generator, factor: float, std: float
+) -> list[torch.Tensor]:
     """``factor * t + N(0, std^2)`` for each tensor, the noise drawn inside the kernel.
 
+    Nothing here depends on the setting or on this process's history (the path was agreed by
+    every rank): the tensors are taken as they are, a non-contiguous one copied first.
+
     Args:
-        tensors: The local gradients of one noise stream.
+        tensors: The local gradients of one noise stream, on one device, of kernel dtypes.
         generator: That stream's generator, on their device (a key and a nonce are drawn from
             it per dtype).
         factor: The gradients' scale.
         std: The noise's standard deviation (positive).
 
     Returns:
-        New tensors of the inputs' shapes (views of one flat buffer per dtype), or None where
-        the kernel does not take them (:func:`applies`; the caller takes the torch path).
+        New tensors of the inputs' shapes (views of one flat buffer per dtype).
 
     Raises:
-        RuntimeError: A launch failed (after :func:`agree` found the kernel working: falling
-            back on one rank could give replicas different noise).
+        RuntimeError: A launch failed (falling back on one rank could give replicas different
+            noise: the message names the setting that keeps torch's draw on every rank).
     """
-    if generator is None or not applies(tensors):
-        return None
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for idx in groups.values():
-        group = [tensors[i] for i in idx]
+        group = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in idx]
         try:
             flat = _launch(group, generator, factor, std)
         except torch.OutOfMemoryError:

@@ -14,12 +14,16 @@ noise``, drawing the noise inside. The gradient then points at the new buffer.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .._opacus_internals import noise_multiplier_in_force
 from . import noise_kernel
 from . import noise_prefetch as draws
 from .noise_prefetch import NoisePrefetch, noise_layout
+
+logger = logging.getLogger(__name__)
 
 
 def noise_plan(
@@ -151,38 +155,33 @@ class FlatNoiseStep(ScaledWithNoise):
 
         Replicas of a shard must add the same noise and the two paths' numbers differ, so the
         choice is made once for all ranks (:func:`.noise_kernel.agree`), from the devices and
-        dtypes of ``params`` (the local shards, as the gradients will be).
+        dtypes of ``params`` (the local shards, as the gradients will be), and logged.
         """
         self._noise_kernel = noise_kernel.agree(
             {p.device for p in params}, {p.dtype for p in params}
         )
+        logger.info("[Ghost] noise: %s (agreed by every rank)", self.noise_path())
 
     def noise_path(self) -> str:
-        """What draws this optimizer's noise: ``"noise kernel on <device type>"`` or ``"torch"``.
+        """What draws this optimizer's noise: ``"torch"`` or the noise kernel, versioned.
 
-        A checkpoint records it: the same generator state gives other noise on the other path.
+        A checkpoint records it: the same generator state gives other noise on another path
+        (:data:`.noise_kernel.VERSION` names the kernel's way of drawing).
         """
         if not self._noise_kernel:
             return "torch"
-        return f"noise kernel on {self.params[0].device.type}"
+        return f"noise kernel {noise_kernel.VERSION} on {self.params[0].device.type}"
 
     def _kernel_noised(
         self, grads: list[torch.Tensor], factor: float, std: float
-    ) -> list[torch.Tensor] | None:
-        """``factor * g + noise`` by the noise kernel (:mod:`.noise_kernel`), or None.
+    ) -> list[torch.Tensor]:
+        """``factor * g + noise`` by the noise kernel (:mod:`.noise_kernel`), on the agreed path.
 
-        None where the kernel does not take these gradients, decided for all of them before any
-        launch (the layout decides, alike on every rank).
+        Nothing checked here can differ between replicas: every gradient is launched.
         """
-        if not noise_kernel.applies(grads):
-            return None
-        streams = self._noise_streams(len(grads))
-        kind = grads[0].device.type
-        if any(gen is None or gen.device.type != kind for gen, _ in streams):
-            return None  # the kernel draws its keys on the gradients' device
         out: list = [None] * len(grads)
-        for generator, idx in streams:
-            part = noise_kernel.noised([grads[i] for i in idx], generator, factor, std)
+        for generator, idx in self._noise_streams(len(grads)):
+            part = noise_kernel.noised_agreed([grads[i] for i in idx], generator, factor, std)
             for i, t in zip(idx, part):
                 out[i] = t
         return out
@@ -253,10 +252,8 @@ class FlatNoiseStep(ScaledWithNoise):
                 torch._foreach_mul_(grads, factor)
             return grads
         layout = self._drawn_layout = noise_layout(grads)
-        if drawn is None and grads and self._noise_kernel:
-            noised = self._kernel_noised(grads, factor, std)
-            if noised is not None:
-                return noised
+        if grads and self._noise_kernel:
+            return self._kernel_noised(grads, factor, std)
         if drawn is None or prefetched.layout != layout:
             if drawn is not None:  # e.g. the model changed dtype: the cached layout is stale
                 self._layout_key = None

@@ -127,10 +127,7 @@ def _layout_difference(saved: dict, now: dict) -> str | None:
             return f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
     saved_path = saved.get("noise_path", "torch")  # before the noise kernel: always torch
     if saved_path != now.get("noise_path", "torch"):
-        return (
-            f"noise path: saved {saved_path!r}, now {now.get('noise_path')!r} (set "
-            "OPACUS_FSDP_SYNC_NOISE_KERNEL to the saved run's path)"
-        )
+        return f"noise path: saved {saved_path!r}, now {now.get('noise_path')!r}"
     saved_params, now_params = saved["parameters"], now["parameters"]
     if len(saved_params) != len(now_params):
         return f"trainable parameters: saved {len(saved_params)}, now {len(now_params)}"
@@ -187,6 +184,15 @@ def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False)
                 "and make_private arguments equal to the saved run's."
             )
     difference = _layout_difference(state["layout"], noise_layout(engine, optimizer))
+    if difference is not None and difference.startswith("noise path") and not fresh_noise:
+        raise CheckpointMismatchError(
+            f"The checkpoint's noise was drawn another way ({difference}): the same generator "
+            "state gives other noise on another path, so a run continued past the checkpoint "
+            "and this resume would release the same batches with independent noise. Resume on "
+            "the saved path (OPACUS_FSDP_SYNC_NOISE_KERNEL=0 for 'torch'), or pass "
+            "fresh_noise=True to keep the accountant and sampler and restart every noise "
+            "generator from OS entropy."
+        )
     if difference is not None and not fresh_noise:
         raise CheckpointMismatchError(
             f"The checkpoint's noise streams belong to another layout ({difference}): "
