@@ -419,12 +419,17 @@ def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
     Run with ``OPACUS_FSDP_SYNC_NOISE_KERNEL=1`` under ``TRITON_INTERPRET=1``: returns the
     worker's result, the launches at steps that returned (one per noise stream and noised step;
     :func:`~opacus_fsdp_sync.optimizers.noise_kernel.agree`'s probes are not counted) and
-    whether a probe failed (which would have turned the kernel off).
+    whether a probe failed (which would have turned the kernel off). Torch's draw raises
+    meanwhile: a step that took it on the kernel's path fails the worker.
     """
-    from opacus_fsdp_sync.optimizers import noise_kernel
+    from opacus_fsdp_sync.optimizers import noise_kernel, noise_prefetch
 
     launches = [0]
     original = noise_kernel.noised_agreed
+    torch_draw = noise_prefetch.draw_flat_noise
+
+    def refused(*a, **kw):
+        raise AssertionError("torch's draw was called on the kernel's path")
 
     def counted(*a, **kw):
         out = original(*a, **kw)
@@ -439,10 +444,12 @@ def with_noise_kernel(rank: int, world: int, name: str, *args) -> dict:
     else:
         worker = globals()[name]
     noise_kernel.noised_agreed = counted
+    noise_prefetch.draw_flat_noise = refused
     try:
         result = worker(rank, world, *args)
     finally:
         noise_kernel.noised_agreed = original
+        noise_prefetch.draw_flat_noise = torch_draw
     return {"result": result, "launches": launches[0], "failed": bool(noise_kernel._FAILED)}
 
 

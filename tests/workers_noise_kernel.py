@@ -112,11 +112,33 @@ def case_declines_and_failures():
         assert nk.noised([torch.nn.Parameter(torch.zeros(3))], gen, 1.0, 1.0) is None
         assert nk.noised([torch.zeros(3)], None, 1.0, 1.0) is None
         assert not nk.agree({cpu}, {torch.float64})
-        assert nk.agree({cpu}, {torch.float32, torch.bfloat16})  # probes for both dtypes
-        strided = torch.randn(4, 6, generator=gen).t()  # agreed: copied, not declined
-        (out,) = nk.noised_agreed([strided], gen, 0.0, 1.0)
-        assert out.shape == strided.shape and out.std().item() > 0.1
         original = triton_noise.noised
+        probes = []
+
+        def counted(*args, **kwargs):
+            probes.append(args[0][0].dtype)
+            return original(*args, **kwargs)
+
+        triton_noise.noised = counted
+        try:
+            assert nk.agree({cpu}, {torch.float32, torch.bfloat16})
+        finally:
+            triton_noise.noised = original
+        assert sorted(map(str, probes)) == ["torch.bfloat16", "torch.float32"], probes
+        strided = torch.randn(4, 6, generator=gen).t()  # agreed: copied, not declined
+        state = gen.get_state()
+        (out,) = nk.noised_agreed([strided], gen, 1.0, 1.0)
+        gen.set_state(state)
+        (want,) = nk.noised_agreed([strided.contiguous()], gen, 1.0, 1.0)
+        assert out.shape == strided.shape and torch.equal(out, want)
+        two_devices = [torch.zeros(3), torch.zeros(2, device="meta")]
+        for bad in ([torch.zeros(3).double()], two_devices):
+            try:
+                nk.noised_agreed(bad, gen, 1.0, 1.0)
+            except ValueError as error:
+                assert "make_private" in str(error), error
+            else:
+                raise AssertionError(f"agreed launch took {bad}")
 
         def broken(*args, **kwargs):
             raise RuntimeError("cannot compile here")
@@ -133,6 +155,17 @@ def case_declines_and_failures():
         finally:
             triton_noise.noised = original
         assert cpu in noise_kernel._FAILED and not nk.wanted([cpu])
+        noise_kernel._FAILED.clear()
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("no room for the probe")
+
+        triton_noise.noised = out_of_memory
+        try:
+            assert not nk.agree({cpu}, {torch.float32})  # a vote, not a raise
+        finally:
+            triton_noise.noised = original
+        assert cpu not in noise_kernel._FAILED  # memory may be free at the next vote
         noise_kernel._FAILED.clear()
         assert nk.noised([torch.zeros(3)], gen, 1.0, 1.0) is not None
     os.environ[noise_kernel.ENV] = "0"

@@ -47,7 +47,7 @@ _SWITCH = EnvSwitch(ENV, "CUDA tensors")
 #: same generator state). v2: a 62-bit key and a 62-bit counter nonce per launch, programs of
 #: 4096 elements on CUDA (256 under the interpreter).
 VERSION = "v2"
-#: Devices where a launch failed: they keep the torch path for the rest of the process.
+#: Devices where a probe failed (not for lack of memory): later votes decline them.
 _FAILED: set[torch.device] = set()
 
 
@@ -120,7 +120,8 @@ def _probe(device: torch.device, dtypes) -> bool:
             if not bool(torch.isfinite(out).all()):
                 raise RuntimeError(f"non-finite output for {dtype}")
     except Exception as error:  # noqa: BLE001 - out of memory included: the vote decides
-        _FAILED.add(device)
+        if not isinstance(error, torch.OutOfMemoryError):  # memory may be free again later
+            _FAILED.add(device)
         logger.warning(
             "[Ghost] noise kernel cannot run on %s (%s: %s); the noise is drawn by torch",
             device, type(error).__name__, error,
@@ -133,8 +134,8 @@ def agree(devices, dtypes) -> bool:
     """Whether the noise kernel runs, decided with every rank (collective when distributed).
 
     Each rank checks the setting and the devices and dtypes of its gradients (:func:`wanted`)
-    and launches the kernel once on a tiny tensor; the kernel runs only if it does on every
-    rank (replicas must add the same noise, and the two paths' numbers differ).
+    and launches the kernel on a tiny tensor of each dtype, waiting for it; the kernel runs only
+    if it did on every rank (replicas must add the same noise, and the two paths' numbers differ).
 
     Args:
         devices: The devices of this rank's gradients.
@@ -230,9 +231,19 @@ def noised_agreed(
         New tensors of the inputs' shapes (views of one flat buffer per dtype).
 
     Raises:
+        ValueError: The tensors span several devices or include a dtype the kernel does not take
+            (the model changed after the vote; alike on every replica).
         RuntimeError: A launch failed (falling back on one rank could give replicas different
             noise: the message names the setting that keeps torch's draw on every rank).
     """
+    devices = {t.device for t in tensors}
+    odd = sorted({str(t.dtype) for t in tensors if t.dtype not in DTYPES})
+    if len(devices) > 1 or odd:
+        raise ValueError(
+            f"the noise kernel was agreed for gradients on one device in fp32, bf16 or fp16; "
+            f"these are on {sorted(map(str, devices))} in {odd or 'kernel dtypes'} (was the "
+            "model moved or cast after make_private? call make_private after moving it)"
+        )
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)

@@ -237,9 +237,9 @@ class FlatNoiseStep(ScaledWithNoise):
         """``factor * g + noise`` for each local gradient ``g``; the results are new tensors.
 
         Views of one flat noise buffer per ``(dtype, device)``: written in one pass by the noise
-        kernel where it applies (:mod:`.noise_kernel`), else the prefetched draw (when the
-        layout matches) with the gradients added into it by :func:`add_scaled_into`; without
-        noise the gradients are scaled in place and returned. Sets the flag that makes
+        kernel when every rank agreed on it (:mod:`.noise_kernel`), else the prefetched draw
+        (when the layout matches) with the gradients added into it by :func:`add_scaled_into`;
+        without noise the gradients are scaled in place and returned. Sets the flag that makes
         ``scale_grad`` a no-op for this step.
         """
         factor, std = optimizer_noise_plan(self, self.accumulated_iterations)

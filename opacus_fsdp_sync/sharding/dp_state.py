@@ -125,9 +125,9 @@ def _layout_difference(saved: dict, now: dict) -> str | None:
     for key in ("api", "world_size", "rank", "optimizer"):
         if saved.get(key) != now.get(key):
             return f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
-    saved_path = saved.get("noise_path", "torch")  # before the noise kernel: always torch
-    if saved_path != now.get("noise_path", "torch"):
-        return f"noise path: saved {saved_path!r}, now {now.get('noise_path')!r}"
+    path = _noise_path_difference(saved, now)
+    if path is not None:
+        return path
     saved_params, now_params = saved["parameters"], now["parameters"]
     if len(saved_params) != len(now_params):
         return f"trainable parameters: saved {len(saved_params)}, now {len(now_params)}"
@@ -135,6 +135,14 @@ def _layout_difference(saved: dict, now: dict) -> str | None:
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key):
                 return f"trainable parameter {i} {key}: saved {a.get(key)!r}, now {b.get(key)!r}"
+    return None
+
+
+def _noise_path_difference(saved: dict, now: dict) -> str | None:
+    """How two records' noise paths differ (None: the same; unrecorded: torch's, the only then)."""
+    saved_path = saved.get("noise_path", "torch")
+    if saved_path != now.get("noise_path", "torch"):
+        return f"noise path: saved {saved_path!r}, now {now.get('noise_path')!r}"
     return None
 
 
@@ -183,16 +191,17 @@ def check_dp_state(state: dict, engine, optimizer, *, fresh_noise: bool = False)
                 "a checkpoint resumes only the configuration that saved it. Make the engine "
                 "and make_private arguments equal to the saved run's."
             )
-    difference = _layout_difference(state["layout"], noise_layout(engine, optimizer))
-    if difference is not None and difference.startswith("noise path") and not fresh_noise:
+    layout_now = noise_layout(engine, optimizer)
+    path = _noise_path_difference(state["layout"], layout_now)
+    if path is not None and not fresh_noise:
         raise CheckpointMismatchError(
-            f"The checkpoint's noise was drawn another way ({difference}): the same generator "
-            "state gives other noise on another path, so a run continued past the checkpoint "
-            "and this resume would release the same batches with independent noise. Resume on "
-            "the saved path (OPACUS_FSDP_SYNC_NOISE_KERNEL=0 for 'torch'), or pass "
-            "fresh_noise=True to keep the accountant and sampler and restart every noise "
-            "generator from OS entropy."
+            f"The checkpoint's noise was drawn another way ({path}): the same generator state "
+            "gives other noise there, so a run continued past the checkpoint and this resume "
+            "would release the same batches with independent noise. Resume on the saved path "
+            "(OPACUS_FSDP_SYNC_NOISE_KERNEL=0 for 'torch', auto or 1 for the same kernel "
+            "version), or pass fresh_noise=True (from another kernel version, the only way)."
         )
+    difference = _layout_difference(state["layout"], layout_now)
     if difference is not None and not fresh_noise:
         raise CheckpointMismatchError(
             f"The checkpoint's noise streams belong to another layout ({difference}): "
