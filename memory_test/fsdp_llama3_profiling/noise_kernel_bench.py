@@ -16,10 +16,12 @@ The GPU campaign runs it as its ``noise`` part.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
-from row_kernels_bench import timed_us  # this folder's (the script's directory is on sys.path)
+from row_kernels_bench import (  # this folder's (the script's directory is on sys.path)
+    host_us,
+    timed_us,
+)
 
 from opacus_fsdp_sync.optimizers import noise_kernel
 from opacus_fsdp_sync.optimizers.noise_prefetch import draw_flat_noise, noise_layout
@@ -34,18 +36,6 @@ def llama_1b_shapes() -> list[tuple[int, ...]]:
         (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,),
     ]  # fmt: skip
     return [(vocab, hidden), *block * 16, (hidden,)]
-
-
-def host_us(fn, reps: int = 20) -> float:
-    """Host microseconds of one call of ``fn`` (no synchronisation inside the loop)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host = (time.perf_counter() - start) / reps * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main() -> None:

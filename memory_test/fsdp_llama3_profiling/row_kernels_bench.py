@@ -38,6 +38,18 @@ def timed_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps * 1000
 
 
+def host_us(fn, reps: int = 20) -> float:
+    """Host microseconds of one call of ``fn`` (no synchronisation inside the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - start) / reps * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def both(fn) -> tuple[float, float]:
     """``(torch us, kernel us)`` of ``fn`` under each setting."""
     os.environ[rows.ENV] = "0"
@@ -83,14 +95,7 @@ def main() -> None:
         for value in ("0", "1"):
             os.environ[rows.ENV] = value
             rows.refresh()
-            fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                fn()
-            host = (time.perf_counter() - start) / 200 * 1e6
-            torch.cuda.synchronize()
-            print(f"host per call {name} row_kernels={value}: {host:.1f} us")
+            print(f"host per call {name} row_kernels={value}: {host_us(fn, 200):.1f} us")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..layers.kernels.availability import DTYPES, EnvSwitch, can_launch, triton_available
 from ..randomness import comm_device
+from .noise_prefetch import flat_views, noise_layout
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,14 @@ def describe() -> str:
     Raises:
         ValueError: :data:`ENV` has a value :func:`refresh` does not take.
     """
-    choice = refresh()
-    if choice == "0":
-        return f"noise drawn by torch ({ENV}=0)"
-    if not triton_available():
-        return f"noise drawn by torch: triton does not import ({ENV}={choice})"
-    where = "wherever Triton launches" if choice == "1" else "on CUDA"
-    return f"FSDP2/FSDP1 noise drawn inside the noised add {where} ({ENV}={choice})"
+    inside = "FSDP2/FSDP1 noise drawn inside the noised add"
+    return _SWITCH.describe(
+        triton_available(),
+        off="noise drawn by torch",
+        unavailable="noise drawn by torch: triton does not import",
+        on=f"{inside} wherever Triton launches",
+        auto=f"{inside} on CUDA",
+    )
 
 
 def wanted(devices, dtypes=()) -> bool:
@@ -244,21 +246,17 @@ def noised_agreed(
             f"these are on {sorted(map(str, devices))} in {odd or 'kernel dtypes'} (was the "
             "model moved or cast after make_private? call make_private after moving it)"
         )
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for idx in groups.values():
+
+    def launch(key: tuple, idx: list[int]) -> torch.Tensor:
         group = [tensors[i] if tensors[i].is_contiguous() else tensors[i].contiguous() for i in idx]
         try:
-            flat = _launch(group, generator, factor, std)
+            return _launch(group, generator, factor, std)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
             raise RuntimeError(
-                f"the noise kernel failed on {group[0].device} ({type(error).__name__}: "
-                f"{error}); set {ENV}=0 to draw the noise with torch on every rank"
+                f"the noise kernel failed on {key[1]} ({type(error).__name__}: {error}); set "
+                f"{ENV}=0 to draw the noise with torch on every rank"
             ) from error
-        for i, part in zip(idx, flat.split([t.numel() for t in group])):
-            out[i] = part.view(tensors[i].shape)
-    return out
+
+    return flat_views(noise_layout(tensors), launch)

@@ -55,15 +55,32 @@ def draw_flat_noise(layout: tuple[tuple, ...], std: float, generator) -> list[to
     same draws whether this runs during the backward or at step time); the returned views follow
     ``layout``'s order and shapes.
     """
+
+    def draw(key: tuple, idx: list[int]) -> torch.Tensor:
+        flat = torch.empty(sum(layout[i][0].numel() for i in idx), dtype=key[0], device=key[1])
+        return flat.normal_(0.0, std, generator=generator)
+
+    return flat_views(layout, draw)
+
+
+def flat_views(layout: tuple[tuple, ...], make) -> list[torch.Tensor]:
+    """Views shaped as ``layout``'s entries of one flat buffer per ``(dtype, device)``.
+
+    Args:
+        layout: :func:`noise_layout` of the tensors.
+        make: ``make((dtype, device), indices)`` returns the flat buffer for the entries at
+            ``indices`` (their elements, in order); called per key in order of first appearance.
+
+    Returns:
+        One view per entry, in ``layout``'s order.
+    """
     groups: dict[tuple, list[int]] = {}
     for i, (_, dtype, device) in enumerate(layout):
         groups.setdefault((dtype, device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(layout)
-    for (dtype, device), idx in groups.items():
-        numels = [layout[i][0].numel() for i in idx]
-        flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        flat.normal_(0.0, std, generator=generator)
-        for i, part in zip(idx, flat.split(numels)):
+    for key, idx in groups.items():
+        flat = make(key, idx)
+        for i, part in zip(idx, flat.split([layout[i][0].numel() for i in idx])):
             out[i] = part.view(layout[i][0])
     return out
 

@@ -84,6 +84,31 @@ class EnvSwitch:
         """The value as last read (:meth:`refresh` on first use)."""
         return self.value or self.refresh()
 
+    def describe(self, available: bool, *, off: str, unavailable: str, on: str, auto: str) -> str:
+        """One log phrase for the setting, read and validated again (``make_private``'s call).
+
+        Args:
+            available: Whether Triton imports here.
+            off: The phrase for ``0``.
+            unavailable: The phrase for ``auto`` or ``1`` without Triton.
+            on: The phrase for ``1``.
+            auto: The phrase for ``auto``.
+
+        Returns:
+            The phrase, with the variable and its value.
+
+        Raises:
+            ValueError: The variable has a value :meth:`refresh` does not take.
+        """
+        choice = self.refresh()
+        if choice == "0":
+            phrase = off
+        elif not available:
+            phrase = unavailable
+        else:
+            phrase = on if choice == "1" else auto
+        return f"{phrase} ({self.env}={choice})"
+
 
 @functools.cache
 def triton_available() -> bool:

@@ -90,16 +90,13 @@ def describe() -> str:
     Raises:
         ValueError: :data:`ENV` has a value :func:`setting` does not take.
     """
-    choice = refresh()
-    if choice == "0":
-        return f"row kernels off ({ENV}=0)"
-    if not triton_available():
-        return f"row kernels unavailable: triton does not import ({ENV}={choice})"
-    if choice == "1":
-        return f"row kernels wherever Triton launches ({ENV}=1)"
-    return (
-        f"row kernels on CUDA tensors from {SCALE_MIN_ELEMENTS} (scaling) / {DOT_MIN_ELEMENTS} "
-        f"(Gram dots) elements ({ENV}=auto)"
+    return _SWITCH.describe(
+        triton_available(),
+        off="row kernels off",
+        unavailable="row kernels unavailable: triton does not import",
+        on="row kernels wherever Triton launches",
+        auto=f"row kernels on CUDA tensors from {SCALE_MIN_ELEMENTS} (scaling) / "
+        f"{DOT_MIN_ELEMENTS} (Gram dots) elements",
     )
 
 
