@@ -41,6 +41,8 @@ def test_dry_run_lists_every_part_at_batch_8_and_three_lengths(tmp_path):
             "ghost_fsdp_one_backward_fused_kernels" in rows
         )
     assert "POISSON=0" in suite and "POISSON=1" in poisson  # fixed batch, then Poisson sampling
+    # every Poisson row, no_dp included, draws the same batches; the fixed rows take no seed
+    assert "--dp-seed 2026" in poisson and "--dp-seed" not in suite
     assert "gram_blocks.py" in gram and "--seq-lengths 512 1024 2048 4096" in gram
     assert "opacus_fsdp_sync.bench.ledger" in ledger and "--seq-length 1024" in ledger
     assert "--accelerator-norms" in ledger

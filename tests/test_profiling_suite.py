@@ -157,6 +157,41 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     assert rebuilt["step_ms"] == pytest.approx(ms, abs=0.05)
 
 
+@pytest.mark.slow
+def test_no_dp_draws_the_private_rows_poisson_batches(tmp_path):
+    """With Poisson sampling ``no_dp`` draws its batches by the private rows' sampler: with the
+    same ``--dp-seed`` (the comparison's opt-in) both draw the same batch sizes, an empty draw
+    included (run as one stand-in example whose loss is zero), so their costs per example are
+    measured on the same draws. Without a seed the draws come from OS entropy."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    runs = {}
+    for mode, seed in (("no_dp", "7"), ("ghost_fsdp_one_backward", "7"), ("no_dp", None)):
+        name = f"{mode}_{seed}"
+        cmd = [
+            sys.executable, str(SUITE / "profile_experiment.py"), "--model", "tiny",
+            "--mode", mode, "--seq-length", "16", "--batch-size", "2", "--steps", "6",
+            "--warmup", "1", "--out", str(tmp_path), "--name", name,
+        ]  # fmt: skip
+        if seed is not None:
+            cmd += ["--dp-seed", seed]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        print(proc.stdout[-2000:], proc.stderr[-2000:])
+        assert proc.returncode == 0
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    plain, private, unseeded = (
+        runs["no_dp_7"],
+        runs["ghost_fsdp_one_backward_7"],
+        runs["no_dp_None"],
+    )
+    assert plain["sampling"] == private["sampling"] == unseeded["sampling"] == "poisson"
+    sizes = plain["local_batch_sizes"]
+    assert sizes == private["local_batch_sizes"] and len(set(sizes)) > 1, sizes
+    assert 0 in sizes  # this seed draws an empty batch: the stand-in ran, its loss zero
+    assert [loss for n, loss in zip(sizes, plain["losses"]) if n == 0] == [0.0]
+    assert all(loss > 0 for n, loss in zip(sizes, plain["losses"]) if n > 0)
+    assert unseeded["config"]["dp_seed"] is None and plain["config"]["dp_seed"] == 7
+
+
 @pytest.mark.distributed
 def test_optimizer_breakdown_times_every_part():
     """The DP optimizer breakdown runs on 2 CPU ranks and reports each part of the step."""

@@ -11,6 +11,8 @@
 #                     does: bench/throughput.py) at an expected batch of POISSON_BATCH_SIZE
 #                     (default BATCH_SIZE, halved on a card under 100 GiB: draws reach 1.5x the
 #                     expected batch, and batch 12 at seq 1024 does not fit an 80 GB H100);
+#                     every row, no_dp included, draws the same batches (--dp-seed POISSON_SEED,
+#                     a published seed: a benchmark's opt-in, no privacy claim);
 #   3. gram:          gram_blocks.py, the Linear ghost norms of one decoder block per gram_block;
 #   4. ledger:        the op ledger (bench/ledger.py) of the same model at the first sequence
 #                     length, one decoder block, on this machine's CPU: bytes, ops and FLOPs per
@@ -30,7 +32,7 @@
 # campaign.md naming the hardware, software, commands and each part's wall time.
 # Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
 # ("suite poisson gram ledger profile rows noise hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
-# POISSON_BATCH_SIZE, MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
+# POISSON_BATCH_SIZE, POISSON_SEED (2026), MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
 # DRY_RUN=1 (print the commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
 #   PARTS="suite gram profile"
@@ -52,6 +54,7 @@ SEQ_LENGTHS=${SEQ_LENGTHS:-"1024 2048 4096"}
 MODES=${MODES:-"no_dp ghost_fsdp ghost_fsdp_one_backward ghost_fsdp_one_backward_untuned ghost_fsdp_one_backward_fused_kernels"}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
+POISSON_SEED=${POISSON_SEED:-2026}
 PROFILE_STEPS=${PROFILE_STEPS:-2}
 GRAM_ARGS=${GRAM_ARGS:-"--seq-lengths 512 1024 2048 4096 --blocks 0 64 128 256 512"}
 FIRST_SEQ=${SEQ_LENGTHS%% *}
@@ -110,6 +113,7 @@ run_part() {  # one part; its status is its last command's
       run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$batch" \
         SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" MODES="$MODES" \
         POISSON="$([ "$part" = poisson ] && echo 1 || echo 0)" \
+        EXTRA_ARGS="$([ "$part" = poisson ] && echo "--dp-seed $POISSON_SEED")" \
         bash "$HERE/run_all_experiments.sh" ;;
     gram)
       # shellcheck disable=SC2086

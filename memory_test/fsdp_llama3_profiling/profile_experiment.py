@@ -45,6 +45,8 @@ from opacus_fsdp_sync.profiling import (
     profiler_ranges,
     reset_peak,
 )
+from opacus_fsdp_sync.randomness import DPRandomness
+from opacus_fsdp_sync.sampling.poisson import SharedPoissonDataLoader
 from opacus_fsdp_sync.sharding import ShardingConfig, shard_model
 
 logger = logging.getLogger("opacus_fsdp_sync.profile")
@@ -90,10 +92,19 @@ class ExperimentConfig:
     lr: float = 1e-4
     """Learning rate (SGD)."""
     poisson_sampling: bool = True
-    """Private modes draw each logical batch by the shared Poisson sampler over a synthetic
+    """Every mode draws each logical batch by the shared Poisson sampler over a synthetic
     dataset of ``16 x batch_size x world`` sequences (the sampling the reported epsilon
-    assumes; batch sizes vary around ``batch_size``). ``--no-poisson-sampling``: the same fixed
-    batch every step, for fixed-shape benchmarking."""
+    assumes; batch sizes vary around ``batch_size``): the private modes through
+    ``make_private``, ``no_dp`` through the same sampler without an engine, so that its cost
+    per example is measured on draws like the private rows' (a rank whose share is empty runs
+    one stand-in example with its loss times zero, as the engine does for models that cannot run
+    zero examples). ``--no-poisson-sampling``: the same fixed batch every step, for fixed-shape
+    benchmarking."""
+    dp_seed: int | None = None
+    """Opt-in reproducibility for comparisons (``PrivacyEngine(dp_seed=...)``): the Poisson
+    draws and the noise come from this integer, so that runs with the same seed, ``no_dp``
+    among them, draw the same batch sizes. None (the default): OS entropy, as a user's run.
+    A benchmark's epsilon is no privacy claim, and with a published seed it would not be one."""
     op_profile: bool = False
     """Also write ``profiles/{name}.ops.txt``, a ``torch.profiler`` table (self CPU/CUDA time
     per op) of rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace)."""
@@ -124,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> ExperimentConfig:
         if "bool" in str(f.type):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default)
     return ExperimentConfig(**vars(parser.parse_args(argv)))
 
@@ -152,6 +163,20 @@ def _dataset(cfg: ExperimentConfig, vocab: int, world: int) -> TensorDataset:
         torch.randint(1, vocab, (n, cfg.seq_length), generator=g),
         torch.randint(0, 2, (n,), generator=g),
     )
+
+
+def _plain_poisson_loader(cfg: ExperimentConfig, vocab: int, world: int) -> DataLoader:
+    """``no_dp``'s Poisson batches: the private rows' sampler, seeded as their engine seeds it.
+
+    The seed is :class:`~opacus_fsdp_sync.randomness.DPRandomness`'s first ``"sampler"`` seed, as
+    ``make_private`` takes it, so that with the same ``dp_seed`` a private run and this one draw
+    the same batches; without one, OS entropy (rank 0's, on every rank).
+    """
+    seed = DPRandomness(cfg.dp_seed).shared_seed(
+        "sampler", distributed=dist.is_initialized() and world > 1
+    )
+    loader = DataLoader(_dataset(cfg, vocab, world), batch_size=cfg.batch_size * world)
+    return SharedPoissonDataLoader.from_data_loader(loader, seed=seed)
 
 
 def _cycle(loader):
@@ -209,10 +234,10 @@ def run(cfg: ExperimentConfig) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     criterion = nn.CrossEntropyLoss()
     engine = None
-    poisson = mode.private and cfg.poisson_sampling
+    poisson = cfg.poisson_sampling
     batches = None
     if mode.private:
-        engine = PrivacyEngine(timing=True, **mode.engine_kwargs)
+        engine = PrivacyEngine(timing=True, dp_seed=cfg.dp_seed, **mode.engine_kwargs)
         data = _dataset(cfg, vocab, world)
         model, optimizer, criterion, loader = engine.make_private(
             module=model,
@@ -226,16 +251,20 @@ def run(cfg: ExperimentConfig) -> dict:
         )
         if poisson:
             batches = _cycle(loader)
+    elif poisson:
+        batches = _cycle(_plain_poisson_loader(cfg, vocab, world))
     if rank == 0:
         if poisson:
-            how = f"Poisson (shared draw, batch sizes vary around {cfg.batch_size} per rank)"
+            how = f"Poisson (shared draw, batch sizes vary around {cfg.batch_size} per rank)" + (
+                "" if mode.private else ", non-private: the private rows' sampler, no engine"
+            )
         else:
             how = f"fixed batch of {cfg.batch_size} per rank" + (
                 "" if mode.private else ", non-private"
             )
         logger.info("[Ghost] sampling: %s", how)
-    ids, labels = _batches(cfg, vocab, rank)
-    ids, labels = ids.to(device), labels.to(device)
+    fixed_ids, fixed_labels = (t.to(device) for t in _batches(cfg, vocab, rank))
+    ids, labels = fixed_ids, fixed_labels
     batch_sizes: list[int] = []  # the local batch of every loop step: warm-up, measured, counted
     timer = StepTimer(enabled=True, device=device)
     counter = CollectiveCounter()
@@ -265,6 +294,10 @@ def run(cfg: ExperimentConfig) -> dict:
             ids, labels = (t.to(device) for t in next(batches))
             sampling_ms = (time.perf_counter() - start) * 1e3
         batch_sizes.append(int(ids.shape[0]))
+        # no_dp with an empty share: Llama cannot run zero examples; one stand-in, loss times 0
+        stand_in = not mode.private and ids.shape[0] == 0
+        if stand_in:
+            ids, labels = fixed_ids[:1], fixed_labels[:1]
         try:
             with timer.phase("step"):
                 with phase("forward"), timer.phase("forward"):
@@ -273,6 +306,8 @@ def run(cfg: ExperimentConfig) -> dict:
                             loss = _loss(cfg, model, criterion, ids, labels, mode.private)
                     else:
                         loss = _loss(cfg, model, criterion, ids, labels, mode.private)
+                    if stand_in:
+                        loss = loss * 0
                 if mode.private:
                     loss.backward()
                 else:
