@@ -197,14 +197,16 @@ class FSDP2Handoff:
         groups, index = handoff_internals.param_group_index(self.modules)
         entries = list(kept)
         kept.clear()
-        owners = [self._groups_of(entry[0], index) for entry in entries]
+        # each entry goes with the first of its groups visited (the last in module order); an
+        # entry without a trainable parameter goes with the first group visited
+        first = len(groups) - 1
+        todo_of: dict[int, list[int]] = {}
+        for j, entry in enumerate(entries):
+            owner = self._groups_of(entry[0], index)
+            todo_of.setdefault(max(owner) if owner else first, []).append(j)
         pending: dict[int, tuple] = {}
         for gi in reversed(range(len(groups))):
-            todo = [
-                j
-                for j, owner in enumerate(owners)
-                if entries[j] is not None and (gi in owner or not owner)
-            ]
+            todo = todo_of.pop(gi, None)
             if todo:
                 grads = by_parameter(compute([entries[j] for j in todo]))
                 for j in todo:
