@@ -401,3 +401,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
     def last_step_timings(self) -> dict[str, float]:
         """Milliseconds per phase of the last step of the last model made private (if timed)."""
         return {} if self._context is None else self._context.timer.last_step
+
+    @property
+    def last_step_host_timings(self) -> dict[str, float]:
+        """The host's milliseconds in each of those phases (``StepTimer.last_host_step``)."""
+        return {} if self._context is None else self._context.timer.last_host_step

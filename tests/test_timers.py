@@ -98,3 +98,46 @@ def test_step_phase_announces_and_times_and_undoes_both_on_error():
     with step_phase("weight_grads"):  # no timer: announced only
         assert current_phase() == "weight_grads"
     assert current_phase() == "other"
+
+
+def test_cpu_host_times_are_the_phase_times():
+    timer = StepTimer(enabled=True, log=False)
+    with timer.phase("step"):
+        with timer.phase("tuning", excluded=True):
+            time.sleep(0.002)
+    assert timer.last_host_step == timer.flush()
+
+
+def test_cuda_host_times_are_read_beside_the_events(monkeypatch):
+    """On CUDA each phase also reads the host's clock: a phase the host leaves at once while its
+    events span 100 ms of device time reports both, and exclusions apply to both."""
+
+    class FakeEvent:  # a device clock that moves 50 ms at every record
+        clock = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            FakeEvent.clock += 50.0
+            self.t = FakeEvent.clock
+
+        def synchronize(self):
+            assert self.t is not None
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = StepTimer(enabled=True, device=torch.device("cuda"), log=False)
+    assert timer.clock == "cuda_event"
+    with timer.phase("step"):
+        with timer.phase("busy"):
+            time.sleep(0.03)
+        with timer.phase("tuning", excluded=True):
+            pass
+    device, host = timer.flush(), timer.last_host_step
+    assert device == {"busy": 50.0, "tuning": 50.0, "step": 250.0 - 50.0}
+    assert host["busy"] >= 30.0 and host["tuning"] < 30.0
+    assert host["busy"] <= host["step"] < host["busy"] + 30.0  # tuning's host time deducted

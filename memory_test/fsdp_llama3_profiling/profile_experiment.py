@@ -270,6 +270,7 @@ def run(cfg: ExperimentConfig) -> dict:
     counter = CollectiveCounter()
     saved = SavedTensorsMeter()
     per_phase: dict[str, list[float]] = {}
+    host_phase: dict[str, list[float]] = {}  # the host's time in each phase (CUDA: beside events)
     losses = []
     total = cfg.warmup + cfg.steps + cfg.count_steps
     for i in range(total):
@@ -323,17 +324,21 @@ def run(cfg: ExperimentConfig) -> dict:
                 ranges.__exit__(None, None, None)
                 profiler.__exit__(None, None, None)
                 _write_op_profile(profiler, cfg, device)
-        timings = timer.flush()
+        timings, host = timer.flush(), timer.last_host_step
         if engine is not None:
             timings.update(engine.last_step_timings)
-            if "norm_tuning" in timings:  # one-off: reported on its own, not in the step
-                timings["step"] = max(0.0, timings["step"] - timings["norm_tuning"])
+            host.update(engine.last_step_host_timings)
+            for t in (timings, host):
+                if "norm_tuning" in t:  # one-off: reported on its own, not in the step
+                    t["step"] = max(0.0, t["step"] - t["norm_tuning"])
         if sampling_ms is not None:
             timings["sampling"] = sampling_ms
         losses.append(float(loss.item() if hasattr(loss, "item") else loss))
         if measured:
             for k, v in timings.items():
                 per_phase.setdefault(k, []).append(v)
+            for k, v in host.items():
+                host_phase.setdefault(k, []).append(v)
         if rank == 0:
             tag = "measured" if measured else ("counted" if counted else "warm-up")
             print(f"  step {i + 1}/{total} ({tag}): {timings['step']:.1f} ms", flush=True)
@@ -349,6 +354,14 @@ def run(cfg: ExperimentConfig) -> dict:
             allocator["num_device_free"],
         )
     step_ms = per_phase.pop("step")
+    host_step_ms = host_phase.pop("step")
+    if timer.clock == "cuda_event" and rank == 0:
+        logger.info(
+            "[Ghost] host time per measured step: median %.1f ms against %.1f ms on the device "
+            "(a step whose host time reaches its device time is bound by its launches)",
+            statistics.median(host_step_ms),
+            statistics.median(step_ms),
+        )
     comm = {
         p: {
             k: {"count": v["count"] / cfg.count_steps, "bytes": v["bytes"] / cfg.count_steps}
@@ -383,6 +396,15 @@ def run(cfg: ExperimentConfig) -> dict:
         "sampling": "poisson" if poisson else "fixed",
         "local_batch_sizes": batch_sizes,
         "measured_step_ms": step_ms,
+        # CUDA: the host's time in each phase beside the events' (on CPU the same clock)
+        **(
+            {
+                "host_phases_ms": {k: _summary(v) for k, v in host_phase.items()},
+                "measured_step_host_ms": host_step_ms,
+            }
+            if timer.clock == "cuda_event"
+            else {}
+        ),
         "measured_global_batch_sizes": global_sizes,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),

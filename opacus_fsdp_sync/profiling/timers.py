@@ -1,7 +1,11 @@
 """Per-phase step timers: CUDA events on CUDA, ``time.perf_counter`` on CPU.
 
 On CUDA the events are only recorded inside the step; they are read (which waits for them) when
-the timings are asked for, so timing adds no synchronisation inside a step. Inside
+the timings are asked for, so timing adds no synchronisation inside a step. Beside them each
+phase also reads the host's clock (``perf_counter``, no synchronisation): the host's time in
+the phase, :attr:`StepTimer.last_host_step`. A phase whose host time reaches its device time was
+bound by the host issuing its work (the GPU waited for launches); one whose host time is far
+shorter ran while the GPU was busy. On CPU the two are one clock and the same numbers. Inside
 :func:`profiler_ranges` (a profiled step) each timed phase is also a
 ``torch.profiler.record_function`` range named ``phase::<name>`` (:data:`RANGE_PREFIX`) in the
 profiler's trace, by which :mod:`opacus_fsdp_sync.bench.trace_phases` attributes each op and each
@@ -60,6 +64,9 @@ class _Pending:
     end: object = None
     #: For an excluded phase: the phases open around it, from which its time is deducted.
     within: tuple[str, ...] = ()
+    #: The host's clock (``perf_counter``) when the phase was entered and left.
+    host_start: float = 0.0
+    host_end: float = 0.0
 
 
 @dataclass
@@ -77,6 +84,7 @@ class StepTimer:
     log: bool = True
     _pending: list[_Pending] = field(default_factory=list, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)
+    _last_host: dict[str, float] = field(default_factory=dict, repr=False)
     _open: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -114,20 +122,17 @@ class StepTimer:
         """
         if not self._pending:
             return dict(self._last)
-        resolved: dict[str, float] = {}
-        deduct: dict[str, float] = {}
+        device: list[tuple[_Pending, float]] = []
         for item in self._pending:
             if self.clock == "cuda_event":
                 item.end.synchronize()
-                ms = item.start.elapsed_time(item.end)
+                device.append((item, item.start.elapsed_time(item.end)))
             else:
-                ms = (item.end - item.start) * 1e3
-            resolved[item.name] = resolved.get(item.name, 0.0) + ms
-            for outer in item.within:
-                deduct[outer] = deduct.get(outer, 0.0) + ms
-        for outer, ms in deduct.items():
-            if outer in resolved:
-                resolved[outer] = max(0.0, resolved[outer] - ms)
+                device.append((item, (item.end - item.start) * 1e3))
+        resolved = _resolve(device)
+        self._last_host = _resolve(
+            [(item, (item.host_end - item.host_start) * 1e3) for item in self._pending]
+        )
         self._pending.clear()
         if self.log:
             for name, ms in resolved.items():
@@ -139,6 +144,26 @@ class StepTimer:
     def last_step(self) -> dict[str, float]:
         """Milliseconds per phase of the last step (resolves pending CUDA events first)."""
         return self.flush()
+
+    @property
+    def last_host_step(self) -> dict[str, float]:
+        """The host's milliseconds in each phase of the last step (see the module docstring)."""
+        self.flush()
+        return dict(self._last_host)
+
+
+def _resolve(spans: list[tuple[_Pending, float]]) -> dict[str, float]:
+    """Milliseconds per phase name, summed over its spans, excluded phases deducted around them."""
+    resolved: dict[str, float] = {}
+    deduct: dict[str, float] = {}
+    for item, ms in spans:
+        resolved[item.name] = resolved.get(item.name, 0.0) + ms
+        for outer in item.within:
+            deduct[outer] = deduct.get(outer, 0.0) + ms
+    for outer, ms in deduct.items():
+        if outer in resolved:
+            resolved[outer] = max(0.0, resolved[outer] - ms)
+    return resolved
 
 
 class _Span:
@@ -168,14 +193,15 @@ class _Span:
             if timer.clock == "cuda_event":
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
+                host = time.perf_counter()
             else:
-                start = time.perf_counter()
+                start = host = time.perf_counter()
         except BaseException:
             self._close_range(None, None, None)
             raise
         within = tuple(timer._open) if self._excluded else ()
         timer._open.append(self._name)
-        self._pending = _Pending(self._name, start, within=within)
+        self._pending = _Pending(self._name, start, within=within, host_start=host)
 
     def __exit__(self, *exc) -> bool:
         timer, pending = self._timer, self._pending
@@ -183,10 +209,11 @@ class _Span:
         timer._open.pop()
         try:
             if timer.clock == "cuda_event":
+                pending.host_end = time.perf_counter()
                 pending.end = torch.cuda.Event(enable_timing=True)
                 pending.end.record()
             else:
-                pending.end = time.perf_counter()
+                pending.end = pending.host_end = time.perf_counter()
             timer._pending.append(pending)
         finally:
             self._close_range(*exc)
