@@ -108,19 +108,21 @@ class DPRandomness:
     Args:
         dp_seed: None (the default): every seed from OS entropy. An integer: every seed derived
             from it and the purpose (reproducible; privacy then rests on it staying secret).
+        warn: Whether a ``dp_seed`` logs the reproducibility warning (False only for a
+            non-private consumer of the same draws, such as a benchmark's non-private baseline).
 
     Raises:
         ValueError: for a negative ``dp_seed`` or one that is not an integer.
     """
 
-    def __init__(self, dp_seed: int | None = None):
+    def __init__(self, dp_seed: int | None = None, *, warn: bool = True):
         if dp_seed is not None and (
             isinstance(dp_seed, bool) or not isinstance(dp_seed, int) or dp_seed < 0
         ):
             raise ValueError(f"dp_seed must be None or a non-negative int, got {dp_seed!r}")
         self.dp_seed = dp_seed
         self._drawn: dict[str, int] = {}
-        if dp_seed is not None:
+        if dp_seed is not None and warn:
             logger.warning(REPRODUCIBLE_WARNING)
 
     @property

@@ -162,9 +162,9 @@ def test_no_dp_draws_the_private_rows_poisson_batches(tmp_path):
     """With Poisson sampling ``no_dp`` draws its batches by the private rows' sampler: with the
     same ``--dp-seed`` (the comparison's opt-in) both draw the same batch sizes, an empty draw
     included (run as one stand-in example whose loss is zero), so their costs per example are
-    measured on the same draws. Without a seed the draws come from OS entropy."""
+    measured on the same draws. Without a seed the draws are not seed 7's."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    runs = {}
+    runs, logs = {}, {}
     for mode, seed in (("no_dp", "7"), ("ghost_fsdp_one_backward", "7"), ("no_dp", None)):
         name = f"{mode}_{seed}"
         cmd = [
@@ -178,6 +178,7 @@ def test_no_dp_draws_the_private_rows_poisson_batches(tmp_path):
         print(proc.stdout[-2000:], proc.stderr[-2000:])
         assert proc.returncode == 0
         runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        logs[name] = proc.stdout + proc.stderr
     plain, private, unseeded = (
         runs["no_dp_7"],
         runs["ghost_fsdp_one_backward_7"],
@@ -190,6 +191,11 @@ def test_no_dp_draws_the_private_rows_poisson_batches(tmp_path):
     assert [loss for n, loss in zip(sizes, plain["losses"]) if n == 0] == [0.0]
     assert all(loss > 0 for n, loss in zip(sizes, plain["losses"]) if n > 0)
     assert unseeded["config"]["dp_seed"] is None and plain["config"]["dp_seed"] == 7
+    # eight Poisson(2) draws agree with seed 7's by chance with probability under 1e-4
+    assert unseeded["local_batch_sizes"] != sizes
+    # the engine warns that a dp_seed makes the run's privacy rest on it; no_dp has no engine
+    assert "privacy rests on" in logs["ghost_fsdp_one_backward_7"]
+    assert "privacy rests on" not in logs["no_dp_7"]
 
 
 @pytest.mark.distributed

@@ -113,7 +113,7 @@ run_part() {  # one part; its status is its last command's
       run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$batch" \
         SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" MODES="$MODES" \
         POISSON="$([ "$part" = poisson ] && echo 1 || echo 0)" \
-        EXTRA_ARGS="$([ "$part" = poisson ] && echo "--dp-seed $POISSON_SEED")" \
+        EXTRA_ARGS="${EXTRA_ARGS:-}$([ "$part" = poisson ] && echo " --dp-seed $POISSON_SEED")" \
         bash "$HERE/run_all_experiments.sh" ;;
     gram)
       # shellcheck disable=SC2086

@@ -172,7 +172,8 @@ def _plain_poisson_loader(cfg: ExperimentConfig, vocab: int, world: int) -> Data
     ``make_private`` takes it, so that with the same ``dp_seed`` a private run and this one draw
     the same batches; without one, OS entropy (rank 0's, on every rank).
     """
-    seed = DPRandomness(cfg.dp_seed).shared_seed(
+    # no warning: these draws feed no private step (the private rows' engine warns)
+    seed = DPRandomness(cfg.dp_seed, warn=False).shared_seed(
         "sampler", distributed=dist.is_initialized() and world > 1
     )
     loader = DataLoader(_dataset(cfg, vocab, world), batch_size=cfg.batch_size * world)
@@ -296,6 +297,8 @@ def run(cfg: ExperimentConfig) -> dict:
             sampling_ms = (time.perf_counter() - start) * 1e3
         batch_sizes.append(int(ids.shape[0]))
         # no_dp with an empty share: Llama cannot run zero examples; one stand-in, loss times 0
+        # (so this rank's gradients are zero and FSDP's mean over ranks is smaller that step:
+        # the cost is what is measured, as the engine's stand-in does for private rows)
         stand_in = not mode.private and ids.shape[0] == 0
         if stand_in:
             ids, labels = fixed_ids[:1], fixed_labels[:1]
@@ -358,7 +361,7 @@ def run(cfg: ExperimentConfig) -> dict:
     if timer.clock == "cuda_event" and rank == 0:
         logger.info(
             "[Ghost] host time per measured step: median %.1f ms against %.1f ms on the device "
-            "(a step whose host time reaches its device time is bound by its launches)",
+            "(host time reaching device time: bound by launches, or a wait inside the step)",
             statistics.median(host_step_ms),
             statistics.median(step_ms),
         )

@@ -3,9 +3,11 @@
 On CUDA the events are only recorded inside the step; they are read (which waits for them) when
 the timings are asked for, so timing adds no synchronisation inside a step. Beside them each
 phase also reads the host's clock (``perf_counter``, no synchronisation): the host's time in
-the phase, :attr:`StepTimer.last_host_step`. A phase whose host time reaches its device time was
-bound by the host issuing its work (the GPU waited for launches); one whose host time is far
-shorter ran while the GPU was busy. On CPU the two are one clock and the same numbers. Inside
+the phase, :attr:`StepTimer.last_host_step`. A phase whose host time is far shorter than its
+device time ran while the GPU was busy. One whose host time reaches its device time was either
+bound by the host issuing its work (the GPU waited for launches) or waited for the device inside
+(a synchronising call: ``.item()``, an allocator retry); the two readings need a trace to tell
+apart. On CPU the two are one clock and the same numbers. Inside
 :func:`profiler_ranges` (a profiled step) each timed phase is also a
 ``torch.profiler.record_function`` range named ``phase::<name>`` (:data:`RANGE_PREFIX`) in the
 profiler's trace, by which :mod:`opacus_fsdp_sync.bench.trace_phases` attributes each op and each
