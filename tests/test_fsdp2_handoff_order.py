@@ -61,27 +61,21 @@ def recorded(monkeypatch):
     return owner_modules, fps, log
 
 
-def _compute(log):
-    def compute(entries):
-        log.append(("compute", [name for name, _, _ in entries]))
+def test_entries_go_with_the_first_of_their_groups_visited(recorded):
+    modules, fps, log = recorded
+    names = ["d", "frozen", "c", "a", "b", "shared"]
+    # kept entries as the first pass leaves them: the module first (here a name and a value)
+    entries = [(modules[n], n, float(i + 1)) for i, n in enumerate(names)]
+
+    def compute(items):
+        """Each trainable parameter's clipped gradient: its entry's value everywhere."""
+        log.append(("compute", [name for _, name, _ in items]))
         out = {}
-        for _, module, value in entries:
+        for module, _, value in items:
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     out[(id(module), pname)] = (module, pname, torch.full_like(p, value))
         return out
-
-    return compute
-
-
-def test_entries_go_with_the_first_of_their_groups_visited(recorded):
-    modules, fps, log = recorded
-    names = ["d", "frozen", "c", "a", "b", "shared"]
-    kept = [(n, modules[n], float(i + 1)) for i, n in enumerate(names)]
-    entries = [(m, n, v) for n, m, v in kept]  # deliver reads entry[0] as the module
-
-    def compute(items):
-        return _compute(log)([(n, m, v) for m, n, v in items])
 
     fsdp2.FSDP2Handoff([]).deliver(entries, compute, contextlib.nullcontext)
     assert entries == []  # emptied as used

@@ -168,15 +168,15 @@ def _dataset(cfg: ExperimentConfig, vocab: int, world: int) -> TensorDataset:
 def _plain_poisson_loader(cfg: ExperimentConfig, vocab: int, world: int) -> DataLoader:
     """``no_dp``'s Poisson batches: the private rows' sampler, seeded as their engine seeds it.
 
-    The seed is :class:`~opacus_fsdp_sync.randomness.DPRandomness`'s first ``"sampler"`` seed, as
-    ``make_private`` takes it, so that with the same ``dp_seed`` a private run and this one draw
-    the same batches; without one, OS entropy (rank 0's, on every rank).
+    The seed is :meth:`~opacus_fsdp_sync.randomness.DPRandomness.sampler_seed`, the call
+    ``make_private`` seeds its sampler with, so that with the same ``dp_seed`` a private run and
+    this one draw the same batches; without one, OS entropy (rank 0's, on every rank).
     """
-    # no warning: these draws feed no private step (the private rows' engine warns)
-    seed = DPRandomness(cfg.dp_seed, warn=False).shared_seed(
-        "sampler", distributed=dist.is_initialized() and world > 1
-    )
     loader = DataLoader(_dataset(cfg, vocab, world), batch_size=cfg.batch_size * world)
+    # no warning: these draws feed no private step (the private rows' engine warns)
+    seed = DPRandomness(cfg.dp_seed, warn=False).sampler_seed(
+        loader, secure_mode=False, distributed=dist.is_initialized() and world > 1
+    )
     return SharedPoissonDataLoader.from_data_loader(loader, seed=seed)
 
 
