@@ -201,8 +201,8 @@ class FSDP2Handoff:
         # entry without a trainable parameter goes with the first group visited
         first = len(groups) - 1
         todo_of: dict[int, list[int]] = {}
-        for j, entry in enumerate(entries):
-            owner = self._groups_of(entry[0], index)
+        for j in range(len(entries)):  # no loop variable keeps an entry's tensors alive
+            owner = self._groups_of(entries[j][0], index)
             todo_of.setdefault(max(owner) if owner else first, []).append(j)
         pending: dict[int, tuple] = {}
         for gi in reversed(range(len(groups))):
