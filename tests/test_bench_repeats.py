@@ -7,9 +7,11 @@ import pytest
 from opacus_fsdp_sync.bench import repeats
 
 
-def _result(run, mode, seq, median, *, status="ok", tied=None):
+def _result(run, mode, seq, median, *, status="ok", tied=None, cpu=None):
     cfg = {"mode": mode, "seq_length": seq, "fsdp_api": "fsdp2", "tie_word_embeddings": tied}
     body = {"config": cfg, "status": status, "step_ms": {"median": median}}
+    if cpu is not None:
+        body["cpu_ms"] = {"process": {"median": cpu}, "main_thread": {"median": cpu / 2}}
     (run / f"{mode}_seq{seq}.json").write_text(json.dumps(body))
 
 
@@ -66,3 +68,22 @@ def test_two_results_of_one_row_in_one_run_are_refused_by_name(tmp_path, capsys)
     (run / "other.json").write_text(json.dumps(body))
     assert repeats.main([str(run)]) == 2
     assert "'other_model'" in capsys.readouterr().err
+
+
+def test_the_process_cpu_time_ratio_gets_its_own_column_where_recorded(tmp_path):
+    # wall 1.1x in each run, CPU 1.2x / 1.4x / (not recorded in the third run's private row)
+    dirs = _runs(tmp_path, [(100.0, 110.0), (100.0, 110.0), (100.0, 110.0)])
+    for run, (base, private) in zip(dirs, [(100.0, 120.0), (50.0, 70.0), (80.0, None)]):
+        _result(run, "no_dp", 64, 100.0, cpu=base)
+        _result(run, "ghost_fsdp_one_backward", 64, 110.0, cpu=private)
+    (row,) = repeats.table(dirs)
+    assert row.cpu_ratios == pytest.approx([1.2, 1.4, None])
+    assert row.cpu_median == pytest.approx(1.3)
+    text = repeats.markdown([row], ["r1", "r2", "r3"], bound=1.15)
+    assert text.splitlines()[0].endswith("| process CPU time, median |")
+    assert text.splitlines()[2].endswith("| 1.100x | yes | 1.300x |")
+
+
+def test_without_cpu_times_the_table_has_no_cpu_column(tmp_path):
+    dirs = _runs(tmp_path, [(100.0, 110.0)])
+    assert "CPU" not in repeats.markdown(repeats.table(dirs), ["r1"])

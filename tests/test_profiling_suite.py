@@ -155,6 +155,11 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     rebuilt = throughput.reconstruct(old, proc.stdout)
     assert rebuilt["global_batch_sizes"] == sizes
     assert rebuilt["step_ms"] == pytest.approx(ms, abs=0.05)
+    cpu = r["measured_step_cpu_ms"]  # this rank's CPU time per measured step, by clock
+    assert len(cpu["process"]) == len(cpu["main_thread"]) == 4
+    assert all(0 < t <= p + 1.0 for t, p in zip(cpu["main_thread"], cpu["process"]))
+    assert r["cpu_ms"]["process"]["median"] == statistics.median(cpu["process"])
+    assert "[Ghost] CPU time per measured step (rank 0)" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

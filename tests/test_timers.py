@@ -141,3 +141,30 @@ def test_cuda_host_times_are_read_beside_the_events(monkeypatch):
     assert device == {"busy": 50.0, "tuning": 50.0, "step": 250.0 - 50.0}
     assert host["busy"] >= 30.0 and host["tuning"] >= 40.0
     assert host["busy"] <= host["step"] < host["busy"] + 20.0  # tuning's 40 ms deducted
+
+
+def test_cpu_stopwatch_separates_waiting_other_threads_and_own_work():
+    """Sleeping is wall time only; a busy second thread is process time, not this thread's."""
+    import threading
+
+    from opacus_fsdp_sync.profiling import CpuStopwatch
+
+    watch = CpuStopwatch()
+    with pytest.raises(RuntimeError, match="before start"):
+        watch.stop()
+    watch.start()
+    time.sleep(0.05)
+    slept = watch.stop()
+    assert slept.wall_ms >= 45 and slept.process_ms < 20 and slept.thread_ms < 20
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    watch.start()
+    worker = threading.Thread(target=spin, args=(0.1,))
+    worker.start()
+    worker.join()
+    other = watch.stop()
+    assert other.process_ms >= 90 and other.thread_ms < other.process_ms - 50

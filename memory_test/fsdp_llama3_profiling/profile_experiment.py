@@ -37,6 +37,7 @@ from opacus_fsdp_sync.distributed.env import init_distributed
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
+    CpuStopwatch,
     SavedTensorsMeter,
     StepTimer,
     allocator_counts,
@@ -272,6 +273,7 @@ def run(cfg: ExperimentConfig) -> dict:
     saved = SavedTensorsMeter()
     per_phase: dict[str, list[float]] = {}
     host_phase: dict[str, list[float]] = {}  # the host's time in each phase (CUDA: beside events)
+    watch, cpu_steps = CpuStopwatch(), []  # each measured step's CPU time (profiling.cpu_time)
     losses = []
     total = cfg.warmup + cfg.steps + cfg.count_steps
     for i in range(total):
@@ -302,6 +304,7 @@ def run(cfg: ExperimentConfig) -> dict:
         stand_in = not mode.private and ids.shape[0] == 0
         if stand_in:
             ids, labels = fixed_ids[:1], fixed_labels[:1]
+        watch.start()
         try:
             with timer.phase("step"):
                 with phase("forward"), timer.phase("forward"):
@@ -327,6 +330,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 ranges.__exit__(None, None, None)
                 profiler.__exit__(None, None, None)
                 _write_op_profile(profiler, cfg, device)
+        cpu = watch.stop()
         timings, host = timer.flush(), timer.last_host_step
         if engine is not None:
             timings.update(engine.last_step_timings)
@@ -342,6 +346,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 per_phase.setdefault(k, []).append(v)
             for k, v in host.items():
                 host_phase.setdefault(k, []).append(v)
+            cpu_steps.append(cpu)
         if rank == 0:
             tag = "measured" if measured else ("counted" if counted else "warm-up")
             print(f"  step {i + 1}/{total} ({tag}): {timings['step']:.1f} ms", flush=True)
@@ -364,6 +369,19 @@ def run(cfg: ExperimentConfig) -> dict:
             "(host time reaching device time: bound by launches, or a wait inside the step)",
             statistics.median(host_step_ms),
             statistics.median(step_ms),
+        )
+    cpu_ms = {
+        "process": [c.process_ms for c in cpu_steps],
+        "main_thread": [c.thread_ms for c in cpu_steps],
+    }
+    if device.type == "cpu":
+        logger.info(
+            "[Ghost] CPU time per measured step (rank %d): median %.1f ms in the process, "
+            "%.1f ms in the main thread, %.1f ms wall",
+            rank,
+            statistics.median(cpu_ms["process"]),
+            statistics.median(cpu_ms["main_thread"]),
+            statistics.median(c.wall_ms for c in cpu_steps),
         )
     comm = {
         p: {
@@ -409,6 +427,9 @@ def run(cfg: ExperimentConfig) -> dict:
             else {}
         ),
         "measured_global_batch_sizes": global_sizes,
+        # this rank's CPU time per measured step: every thread (process) and the main thread
+        "cpu_ms": {k: _summary(v) for k, v in cpu_ms.items()},
+        "measured_step_cpu_ms": cpu_ms,
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "allocator_per_step": allocator,

@@ -8,8 +8,11 @@ fixed batch on both sides is the median step ratio.
 
 Usage: ``python -m opacus_fsdp_sync.bench.repeats RUN_DIR [RUN_DIR ...]`` (the suite's output
 folders, e.g. three ``run_all_experiments.sh`` runs) prints a Markdown table; ``--bound 1.15``
-adds whether each median is within it. Exit code 2 when a folder has no results or two results
-of one row.
+adds whether each median is within it. Where the results hold their rank's CPU time per step
+(``cpu_ms``, recorded by the suite), a last column gives the median over runs of the ratio of
+process CPU time per step: on a machine with as many ranks as cores that is the work the ranks
+compete for, apart from the waiting in wall time (:mod:`opacus_fsdp_sync.profiling.cpu_time`).
+Exit code 2 when a folder has no results or two results of one row.
 """
 
 from __future__ import annotations
@@ -43,12 +46,31 @@ class Row:
 
     key: RowKey
     ratios: list[float | None] = field(default_factory=list)
+    cpu_ratios: list[float | None] = field(default_factory=list)
+    """Each run's ratio of median process CPU time per step (None without ``cpu_ms``)."""
 
     @property
     def median(self) -> float | None:
         """The median of the runs' ratios, or None when no run has one."""
-        have = [r for r in self.ratios if r is not None]
-        return statistics.median(have) if have else None
+        return _median(self.ratios)
+
+    @property
+    def cpu_median(self) -> float | None:
+        """The median of the runs' CPU time ratios, or None when no run has one."""
+        return _median(self.cpu_ratios)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    have = [v for v in values if v is not None]
+    return statistics.median(have) if have else None
+
+
+def cpu_ratio(result: dict, reference: dict) -> float | None:
+    """Median process CPU time per step of ``result`` over ``reference``'s (None without)."""
+    try:
+        return result["cpu_ms"]["process"]["median"] / reference["cpu_ms"]["process"]["median"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _key(result: dict) -> RowKey:
@@ -65,8 +87,11 @@ def _key(result: dict) -> RowKey:
 _TIED = {None: "preset", True: "tied", False: "untied"}
 
 
-def run_ratios(results: Sequence[dict]) -> dict[RowKey, float]:
+def run_ratios(results: Sequence[dict]) -> dict[RowKey, tuple[float, float | None]]:
     """Each successful private result's ratio to the ``no_dp`` result of the same run and row.
+
+    Returns:
+        By row: the cost ratio and the CPU time ratio (:func:`cpu_ratio`).
 
     Raises:
         ValueError: for two results of one row in one run (another model, batch or sampling
@@ -92,7 +117,7 @@ def run_ratios(results: Sequence[dict]) -> dict[RowKey, float]:
         k = _key(r)
         ref = refs.get((k.seq, k.api, k.tied))
         if k.mode != REFERENCE and ref is not None:
-            out[k] = throughput.ratio(r, ref)[0]
+            out[k] = (throughput.ratio(r, ref)[0], cpu_ratio(r, ref))
     return out
 
 
@@ -111,7 +136,11 @@ def table(run_dirs: Sequence[Path]) -> list[Row]:
             )
         per_run.append(run_ratios(results))
     keys = sorted({k for ratios in per_run for k in ratios})
-    return [Row(k, [ratios.get(k) for ratios in per_run]) for k in keys]
+    rows = []
+    for k in keys:
+        pairs = [ratios.get(k, (None, None)) for ratios in per_run]
+        rows.append(Row(k, [p[0] for p in pairs], [p[1] for p in pairs]))
+    return rows
 
 
 def markdown(rows: Sequence[Row], run_names: Sequence[str], bound: float | None = None) -> str:
@@ -119,6 +148,9 @@ def markdown(rows: Sequence[Row], run_names: Sequence[str], bound: float | None 
     head = ["mode", "seq", "api", "tied", *run_names, "median"]
     if bound is not None:
         head.append(f"<= {bound:g}x")
+    cpu = any(r.cpu_median is not None for r in rows)
+    if cpu:
+        head.append("process CPU time, median")
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for row in rows:
         med = row.median
@@ -127,6 +159,8 @@ def markdown(rows: Sequence[Row], run_names: Sequence[str], bound: float | None 
         cells.append("" if med is None else f"{med:.3f}x")
         if bound is not None:
             cells.append("" if med is None else ("yes" if med <= bound else "no"))
+        if cpu:
+            cells.append("" if row.cpu_median is None else f"{row.cpu_median:.3f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """Timers, the collective counter and phase markers shared by the engine, tests and harness."""
 
 from .comm_counter import CollectiveCounter, CollectiveStats
+from .cpu_time import CpuStopwatch, CpuTimes
 from .flops import PhaseFlopCounter
 from .memory import AllocatorWatch, allocator_counts, memory_summary, peak_memory, reset_peak
 from .phases import PHASE_PARENT, STEP_PHASES, current_phase, phase
@@ -14,6 +15,8 @@ __all__ = [
     "TIMING_ENV",
     "CollectiveCounter",
     "CollectiveStats",
+    "CpuStopwatch",
+    "CpuTimes",
     "PhaseFlopCounter",
     "SavedTensorsMeter",
     "StepTimer",
