@@ -9,7 +9,7 @@ from opacus_fsdp_sync.bench import repeats
 
 def _result(run, mode, seq, median, *, status="ok", tied=None, cpu=None):
     cfg = {"mode": mode, "seq_length": seq, "fsdp_api": "fsdp2", "tie_word_embeddings": tied}
-    body = {"config": cfg, "status": status, "step_ms": {"median": median}}
+    body = {"config": cfg, "status": status, "step_ms": {"median": median}, "sampling": "fixed"}
     if cpu is not None:
         body["cpu_ms"] = {"process": {"median": cpu}, "main_thread": {"median": cpu / 2}}
     (run / f"{mode}_seq{seq}.json").write_text(json.dumps(body))
@@ -80,10 +80,23 @@ def test_the_process_cpu_time_ratio_gets_its_own_column_where_recorded(tmp_path)
     assert row.cpu_ratios == pytest.approx([1.2, 1.4, None])
     assert row.cpu_median == pytest.approx(1.3)
     text = repeats.markdown([row], ["r1", "r2", "r3"], bound=1.15)
-    assert text.splitlines()[0].endswith("| process CPU time, median |")
+    assert text.splitlines()[0].endswith("| process CPU time per step, median |")
     assert text.splitlines()[2].endswith("| 1.100x | yes | 1.300x |")
 
 
 def test_without_cpu_times_the_table_has_no_cpu_column(tmp_path):
     dirs = _runs(tmp_path, [(100.0, 110.0)])
     assert "CPU" not in repeats.markdown(repeats.table(dirs), ["r1"])
+
+
+def test_a_poisson_row_has_no_per_step_cpu_ratio(tmp_path):
+    # Poisson rows draw other batches each step: their ratio is per example, CPU time per step
+    # is not comparable across the two sides
+    (run,) = _runs(tmp_path, [(100.0, 110.0)])
+    for mode, cpu in (("no_dp", 100.0), ("ghost_fsdp_one_backward", 150.0)):
+        _result(run, mode, 64, 100.0, cpu=cpu)
+    assert repeats.table([run])[0].cpu_ratios == pytest.approx([1.5])
+    for mode in ("no_dp", "ghost_fsdp_one_backward"):
+        path = run / f"{mode}_seq64.json"
+        path.write_text(path.read_text().replace('"fixed"', '"poisson"'))
+    assert repeats.table([run])[0].cpu_ratios == [None]

@@ -139,7 +139,7 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     cmd = [
         sys.executable, str(SUITE / "profile_experiment.py"), "--model", "tiny",
         "--mode", "ghost_fsdp_one_backward", "--seq-length", "16", "--batch-size", "4",
-        "--steps", "4", "--warmup", "1", "--out", str(tmp_path),
+        "--steps", "4", "--warmup", "1", "--out", str(tmp_path), "--op-profile",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
@@ -158,6 +158,10 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     cpu = r["measured_step_cpu_ms"]  # this rank's CPU time per measured step, by clock
     assert len(cpu["process"]) == len(cpu["main_thread"]) == 4
     assert all(0 < t <= p + 1.0 for t, p in zip(cpu["main_thread"], cpu["process"]))
+    # the main thread's CPU time fits in the step's wall time: the span is the step's, not the
+    # op profile's export after the last measured step (--op-profile above)
+    assert all(t <= w + 1.0 for t, w in zip(cpu["main_thread"], ms))
+    assert (tmp_path / "profiles" / "ghost_fsdp_one_backward_seq16.trace.json").is_file()
     assert r["cpu_ms"]["process"]["median"] == statistics.median(cpu["process"])
     assert "[Ghost] CPU time per measured step (rank 0)" in proc.stdout + proc.stderr
 

@@ -168,3 +168,10 @@ def test_cpu_stopwatch_separates_waiting_other_threads_and_own_work():
     worker.join()
     other = watch.stop()
     assert other.process_ms >= 90 and other.thread_ms < other.process_ms - 50
+
+
+def test_cpu_times_minus_a_busy_span_never_goes_below_zero():
+    from opacus_fsdp_sync.profiling import CpuTimes
+
+    times = CpuTimes(wall_ms=100.0, process_ms=80.0, thread_ms=5.0)
+    assert times.minus(10.0) == CpuTimes(wall_ms=90.0, process_ms=70.0, thread_ms=0.0)

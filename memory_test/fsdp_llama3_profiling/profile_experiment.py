@@ -323,6 +323,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 with phase("optimizer_step"), timer.phase("optimizer_step"):
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)  # Opacus's default zero-fills
+            cpu = watch.stop()  # the step's span, not the profiler's export below
         finally:
             if counted:
                 counter.__exit__(None, None, None)
@@ -330,7 +331,6 @@ def run(cfg: ExperimentConfig) -> dict:
                 ranges.__exit__(None, None, None)
                 profiler.__exit__(None, None, None)
                 _write_op_profile(profiler, cfg, device)
-        cpu = watch.stop()
         timings, host = timer.flush(), timer.last_host_step
         if engine is not None:
             timings.update(engine.last_step_timings)
@@ -338,6 +338,8 @@ def run(cfg: ExperimentConfig) -> dict:
             for t in (timings, host):
                 if "norm_tuning" in t:  # one-off: reported on its own, not in the step
                     t["step"] = max(0.0, t["step"] - t["norm_tuning"])
+            if "norm_tuning" in host:  # the tuning's host time, off every clock (it is busy)
+                cpu = cpu.minus(host["norm_tuning"])
         if sampling_ms is not None:
             timings["sampling"] = sampling_ms
         losses.append(float(loss.item() if hasattr(loss, "item") else loss))

@@ -9,9 +9,10 @@ fixed batch on both sides is the median step ratio.
 Usage: ``python -m opacus_fsdp_sync.bench.repeats RUN_DIR [RUN_DIR ...]`` (the suite's output
 folders, e.g. three ``run_all_experiments.sh`` runs) prints a Markdown table; ``--bound 1.15``
 adds whether each median is within it. Where the results hold their rank's CPU time per step
-(``cpu_ms``, recorded by the suite), a last column gives the median over runs of the ratio of
-process CPU time per step: on a machine with as many ranks as cores that is the work the ranks
-compete for, apart from the waiting in wall time (:mod:`opacus_fsdp_sync.profiling.cpu_time`).
+(``cpu_ms``, recorded by the suite) and ran one fixed batch, a last column gives the median over
+runs of the ratio of process CPU time per step: on a machine with as many ranks as cores that
+is the work the ranks compete for, apart from the waiting in wall time
+(:mod:`opacus_fsdp_sync.profiling.cpu_time`).
 Exit code 2 when a folder has no results or two results of one row.
 """
 
@@ -46,8 +47,9 @@ class Row:
 
     key: RowKey
     ratios: list[float | None] = field(default_factory=list)
+    """Each run's cost ratio (:func:`~opacus_fsdp_sync.bench.throughput.ratio`)."""
     cpu_ratios: list[float | None] = field(default_factory=list)
-    """Each run's ratio of median process CPU time per step (None without ``cpu_ms``)."""
+    """Each run's :func:`cpu_ratio` (None without ``cpu_ms`` or a fixed batch)."""
 
     @property
     def median(self) -> float | None:
@@ -66,7 +68,20 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def cpu_ratio(result: dict, reference: dict) -> float | None:
-    """Median process CPU time per step of ``result`` over ``reference``'s (None without)."""
+    """Median process CPU time per step of ``result`` over ``reference``'s.
+
+    Per step, so only for one fixed batch on both sides (Poisson rows draw other batches from
+    step to step; their cost ratio is per example).
+
+    Args:
+        result: A private mode's result.
+        reference: The ``no_dp`` result of the same run and row.
+
+    Returns:
+        The ratio, or None where either lacks ``cpu_ms`` or was not run on a fixed batch.
+    """
+    if result.get("sampling") != "fixed" or reference.get("sampling") != "fixed":
+        return None
     try:
         return result["cpu_ms"]["process"]["median"] / reference["cpu_ms"]["process"]["median"]
     except (KeyError, TypeError, ZeroDivisionError):
@@ -150,7 +165,7 @@ def markdown(rows: Sequence[Row], run_names: Sequence[str], bound: float | None 
         head.append(f"<= {bound:g}x")
     cpu = any(r.cpu_median is not None for r in rows)
     if cpu:
-        head.append("process CPU time, median")
+        head.append("process CPU time per step, median")
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for row in rows:
         med = row.median

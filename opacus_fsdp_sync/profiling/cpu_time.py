@@ -31,6 +31,17 @@ class CpuTimes:
     process_ms: float
     thread_ms: float
 
+    def minus(self, ms: float) -> CpuTimes:
+        """These times less ``ms`` on every clock (at least zero), e.g. a one-off busy span.
+
+        Args:
+            ms: Milliseconds of work inside the block that the calling thread did (so it counts
+                on all three clocks), to leave out of the step's times.
+        """
+        return CpuTimes(
+            *(max(0.0, v - ms) for v in (self.wall_ms, self.process_ms, self.thread_ms))
+        )
+
 
 class CpuStopwatch:
     """Reads the three clocks at :meth:`start` and :meth:`stop`.
