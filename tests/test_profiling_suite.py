@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import PHASE_PARENT
 from tests.suite_scripts import load_script
@@ -61,6 +62,8 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
     assert "experiment 5/5: ghost_fsdp_one_backward_seq32" in proc.stdout
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    bound = rank_cores(cores, 0, 2) if len(cores) >= 2 else None
     results = {
         m: json.loads((tmp_path / f"{m}_seq32.json").read_text())
         for m in (
@@ -78,6 +81,8 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         assert set(r["step_ms"]) == {"median", "min", "max"}
         assert r["tokens_per_s"] > 0 and r["peak_memory"]["bytes"] > 0
         assert r["allocator_per_step"] == {}  # CUDA's caching-allocator churn; none on CPU
+        # rank 0 ran on its own block of the cores (BIND_CPUS defaults to 1 on CPU)
+        assert r["environment"]["cpu_cores_bound"] == bound
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
         # Global batch per measured step: summed over both ranks (rank 0's local is part of it).
         sizes = r["measured_global_batch_sizes"]
@@ -140,6 +145,7 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
         sys.executable, str(SUITE / "profile_experiment.py"), "--model", "tiny",
         "--mode", "ghost_fsdp_one_backward", "--seq-length", "16", "--batch-size", "4",
         "--steps", "4", "--warmup", "1", "--out", str(tmp_path), "--op-profile",
+        "--no-bind-cpus",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
@@ -164,6 +170,7 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     assert (tmp_path / "profiles" / "ghost_fsdp_one_backward_seq16.trace.json").is_file()
     assert r["cpu_ms"]["process"]["median"] == statistics.median(cpu["process"])
     assert "[Ghost] CPU time per measured step (rank 0)" in proc.stdout + proc.stderr
+    assert r["environment"]["cpu_cores_bound"] is None  # --no-bind-cpus: left to the scheduler
 
 
 @pytest.mark.slow

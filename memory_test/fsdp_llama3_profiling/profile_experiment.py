@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import get_mode
+from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores
 from opacus_fsdp_sync.distributed.env import init_distributed
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
@@ -106,6 +107,13 @@ class ExperimentConfig:
     draws and the noise come from this integer, so that runs with the same seed, ``no_dp``
     among them, draw the same batch sizes. None (the default): OS entropy, as a user's run.
     A benchmark's epsilon is no privacy claim, and with a published seed it would not be one."""
+    bind_cpus: bool = True
+    """On CPU, bind each rank to its own block of the cores before the process group starts,
+    as CPU launchers bind ranks (:mod:`opacus_fsdp_sync.distributed.cpu_affinity`; nothing is
+    bound where there are fewer cores than ranks). ``--no-bind-cpus`` leaves the ranks to the
+    scheduler: then one rank's helper threads (gloo's, the noise draw) run beside another
+    rank's main thread. The cores are recorded in the result (``environment``). Ignored on
+    GPUs."""
     op_profile: bool = False
     """Also write ``profiles/{name}.ops.txt``, a ``torch.profiler`` table (self CPU/CUDA time
     per op) of rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace)."""
@@ -198,6 +206,9 @@ def _loss(cfg, model, criterion, ids, labels, private):
 
 def run(cfg: ExperimentConfig) -> dict:
     """Builds, shards, (makes private,) trains and measures; returns the result dict."""
+    cores = None
+    if cfg.bind_cpus and not torch.cuda.is_available():  # before gloo starts threads
+        cores = bind_rank_to_cores()
     rank, world, device = init_distributed()
     mode = get_mode(cfg.mode)
     mp = cfg.mixed_precision
@@ -409,6 +420,7 @@ def run(cfg: ExperimentConfig) -> dict:
             "measured_steps": cfg.steps,
             "collectives_counted_in_untimed_steps": cfg.count_steps,
             "host": platform.node(),
+            "cpu_cores_bound": cores,  # this rank's (rank 0's in the file); None: unbound
         },
         "model": {"parameters": n_params, "tied_embeddings": tied},
         "sync_api": engine.sync_api if engine is not None else None,

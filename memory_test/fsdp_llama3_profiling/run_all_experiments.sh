@@ -6,7 +6,9 @@
 #   tied or untied, to report the cost of the tied weight's cross term),
 #   FSDP_APIS (any of "fsdp2 fsdp1 ddp"; default fsdp2), STRATEGY, WRAP_POLICY,
 #   POISSON (1, default: private modes draw batches by Poisson sampling, as the accounting
-#   assumes; 0: one fixed batch every step, for fixed-shape benchmarking).
+#   assumes; 0: one fixed batch every step, for fixed-shape benchmarking),
+#   BIND_CPUS (1, default: on CPU each rank runs on its own block of the cores, as CPU
+#   launchers bind ranks; 0: the ranks are left to the scheduler).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python3}
@@ -30,12 +32,13 @@ OUT=${OUT:-"$HERE/runs/$(date +%Y%m%d-%H%M%S)"}
 MODEL_PATH=${MODEL_PATH:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 POISSON=${POISSON:-1}
+BIND_CPUS=${BIND_CPUS:-1}
 mkdir -p "$OUT/logs"
 
 total=0
 for seq in $SEQ_LENGTHS; do for tie in $TIE_VARIANTS; do for api in $FSDP_APIS; do
   for mode in $MODES; do total=$((total + 1)); done; done; done; done
-echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS apis=[$FSDP_APIS] modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP sampling=$([ "$POISSON" = 0 ] && echo fixed || echo poisson)"
+echo "Profiling suite: model=$MODEL task=$TASK nproc=$NPROC gpus=$GPUS apis=[$FSDP_APIS] modes=[$MODES] seq=[$SEQ_LENGTHS] batch=$BATCH_SIZE steps=$STEPS warmup=$WARMUP sampling=$([ "$POISSON" = 0 ] && echo fixed || echo poisson)$([ "$GPUS" = 0 ] && { [ "$BIND_CPUS" = 0 ] && echo " cpus=unbound" || echo " cpus=bound per rank"; })"
 echo "Results: $OUT"
 
 i=0; failed=()
@@ -57,6 +60,7 @@ for seq in $SEQ_LENGTHS; do
           --fsdp-api "$api" --strategy "$STRATEGY" --wrap-policy "$WRAP_POLICY" "${tie_args[@]}")
     [ -n "$MODEL_PATH" ] && args+=(--model-path "$MODEL_PATH")
     [ "$POISSON" = 0 ] && args+=(--no-poisson-sampling)
+    [ "$BIND_CPUS" = 0 ] && args+=(--no-bind-cpus)
     # shellcheck disable=SC2206
     [ -n "$EXTRA_ARGS" ] && args+=($EXTRA_ARGS)
     if ! "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
