@@ -15,7 +15,10 @@ fills the waits instead, and at worst runs while the main thread waits for it at
 the ranks keep every core busy (2 ranks on 2 cores: their collectives' copies need the cores
 too), it still costs about its own time wherever it runs; drawn during the first pass it slowed
 that pass by 10 ms, drawn after it the step is about 3 ms shorter
-(``results/cpu-2cores-small-late-noise/``).
+(``results/cpu-2cores-small-late-noise/``). Idle priority keeps the thread off its own rank's
+main thread, not off another rank's threads: ranks bound to their own cores
+(:mod:`opacus_fsdp_sync.distributed.cpu_affinity`, as the profiling suite binds them) keep each
+draw in its own rank's waits (``results/cpu-2cores-small-bound-cores/``).
 """
 
 from __future__ import annotations
