@@ -73,10 +73,11 @@ def bind_rank_to_cores(local_rank: int | None = None, local_world: int | None = 
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     if local_world is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if not hasattr(os, "sched_getaffinity"):
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
         logger.info("[Ghost] ranks left unbound: this platform has no sched_setaffinity")
         return None
-    cores = sorted(os.sched_getaffinity(0))
     if len(cores) < local_world:
         logger.info(
             "[Ghost] ranks left unbound: %d core(s) for %d ranks on this machine",
