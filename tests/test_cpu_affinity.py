@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores, rank_cores
+from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores
 
 
 @pytest.mark.parametrize(
@@ -40,15 +40,24 @@ def test_fewer_cores_than_ranks_is_refused_by_the_partition():
         rank_cores([0, 1], 2, 2)
 
 
-def _child(local_rank: int, local_world: int) -> dict:
+def _child(local_rank: int | None, local_world: int | None, env: dict | None = None) -> dict:
+    """Binds a child process (ranks as given; None: from its environment) and reports."""
+    args = "" if local_rank is None else f"{local_rank}, {local_world}"
     code = (
         "import json, os\n"
         "from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores\n"
-        f"bound = bind_rank_to_cores({local_rank}, {local_world})\n"
+        f"bound = bind_rank_to_cores({args})\n"
         "print(json.dumps({'bound': bound, 'now': sorted(os.sched_getaffinity(0))}))\n"
     )
+    child_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    child_env.update(env or {})
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=child_env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -71,10 +80,21 @@ def test_more_ranks_than_cores_leaves_the_process_unbound():
     assert got["now"] == cores
 
 
-def test_ranks_default_to_torchruns_environment(monkeypatch):
-    """LOCAL_RANK / LOCAL_WORLD_SIZE are read when no rank is given (here: too many ranks)."""
-    if not hasattr(os, "sched_getaffinity"):
-        pytest.skip("Linux affinity only")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0)) + 1))
-    assert bind_rank_to_cores() is None  # refused before touching this process's cores
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity only")
+def test_ranks_come_from_torchruns_environment():
+    """The last local rank gets the last block: a rank read as 0 would get the first."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    got = _child(None, None, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert got["bound"] == got["now"] == rank_cores(cores, 1, 2)
+    assert got["bound"] != rank_cores(cores, 0, 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity only")
+def test_without_torchruns_ranks_nothing_is_bound():
+    """Only WORLD_SIZE set (another launcher): no rank is guessed, the cores stay as they were."""
+    cores = sorted(os.sched_getaffinity(0))
+    got = _child(None, None, {"WORLD_SIZE": "2", "RANK": "1"})
+    assert got["bound"] is None
+    assert got["now"] == cores

@@ -109,11 +109,11 @@ class ExperimentConfig:
     A benchmark's epsilon is no privacy claim, and with a published seed it would not be one."""
     bind_cpus: bool = True
     """On CPU, bind each rank to its own block of the cores before the process group starts,
-    as CPU launchers bind ranks (:mod:`opacus_fsdp_sync.distributed.cpu_affinity`; nothing is
-    bound where there are fewer cores than ranks). ``--no-bind-cpus`` leaves the ranks to the
-    scheduler: then one rank's helper threads (gloo's, the noise draw) run beside another
-    rank's main thread. The cores are recorded in the result (``environment``). Ignored on
-    GPUs."""
+    as MPI launchers and ``run_cpu`` bind ranks
+    (:mod:`opacus_fsdp_sync.distributed.cpu_affinity`; nothing is bound where there are fewer
+    cores than ranks). ``--no-bind-cpus`` leaves the ranks to the scheduler: then one rank's
+    helper threads (gloo's, the noise draw) run beside another rank's main thread. Rank 0's
+    cores are recorded in the result (``environment``). Ignored on GPUs."""
     op_profile: bool = False
     """Also write ``profiles/{name}.ops.txt``, a ``torch.profiler`` table (self CPU/CUDA time
     per op) of rank 0's last measured step, and ``profiles/{name}.trace.json`` (Chrome trace)."""

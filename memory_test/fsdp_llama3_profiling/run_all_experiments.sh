@@ -7,8 +7,8 @@
 #   FSDP_APIS (any of "fsdp2 fsdp1 ddp"; default fsdp2), STRATEGY, WRAP_POLICY,
 #   POISSON (1, default: private modes draw batches by Poisson sampling, as the accounting
 #   assumes; 0: one fixed batch every step, for fixed-shape benchmarking),
-#   BIND_CPUS (1, default: on CPU each rank runs on its own block of the cores, as CPU
-#   launchers bind ranks; 0: the ranks are left to the scheduler).
+#   BIND_CPUS (1, default: on CPU each rank runs on its own block of the cores, as MPI
+#   launchers and run_cpu bind ranks; 0: the ranks are left to the scheduler).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON=${PYTHON:-python3}

@@ -1,18 +1,18 @@
-"""Binding each CPU rank to its own share of the cores, as CPU launchers bind them.
+"""Binding each CPU rank to its own share of the cores, as MPI launchers and ``run_cpu`` do.
 
 Ranks on CPU that share every core of a machine also share them with each other's helper
 threads: gloo's transport threads and, in a private step, the thread that draws the noise
 (:mod:`opacus_fsdp_sync.optimizers.noise_prefetch`). The scheduler then runs one rank's helper
 beside another rank's main thread, and every rank waits for the slowest at the next collective.
 On a GPU each rank has a device of its own and its noise is drawn there; bound to its own cores,
-a CPU rank is the same kind of unit: its helpers run in its own waits. CPU launchers bind ranks
-this way (one block of cores per rank); :func:`bind_rank_to_cores` does it for a process about
-to join a gloo process group, so that the threads gloo starts inherit the binding.
+a CPU rank is the same kind of unit: its helpers run in its own waits. MPI launchers and
+``torch.backends.xeon.run_cpu`` bind ranks this way (one block of cores per rank; torchrun does
+not); :func:`bind_rank_to_cores` does it for a process about to join a gloo process group, so
+that the threads gloo starts inherit the binding.
 
-Measured on 2 cores with 2 ranks of the ``small`` preset at 64 tokens
-(``memory_test/fsdp_llama3_profiling/results/cpu-2cores-small-bound-cores/``): the non-private
-step is about as fast bound as unbound; the private step is shorter bound, its hand-off no
-longer waiting for a rank whose core another rank's noise draw took.
+Blocks are contiguous in the logical CPU ids: where the ids of hyperthread siblings are far apart
+(``i`` and ``i + N``), two ranks' blocks may share physical cores. What binding changed on one
+machine: ``memory_test/fsdp_llama3_profiling/results/cpu-2cores-small-bound-cores/``.
 """
 
 from __future__ import annotations
@@ -56,23 +56,34 @@ def rank_cores(cores: list[int], local_rank: int, local_world: int) -> list[int]
     return pool[start : start + share + (1 if local_rank < extra else 0)]
 
 
-def bind_rank_to_cores(local_rank: int | None = None, local_world: int | None = None):
-    """Binds this process to its block of the cores it may use now (Linux); returns the block.
+def bind_rank_to_cores(
+    local_rank: int | None = None, local_world: int | None = None
+) -> list[int] | None:
+    """Binds the calling thread, and the threads it starts later, to its block of the cores.
 
-    Call it before the process group starts (gloo's threads inherit the binding of the thread
-    that starts them). Ranks default to torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``.
+    Linux only. Call it before the process group starts: gloo's threads inherit the binding of
+    the thread that starts them, and threads that already exist keep theirs. Without arguments
+    the ranks are torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; where either is unset,
+    nothing is bound (a guessed rank could put every rank on the same block).
 
     Args:
         local_rank: This process's rank on the machine.
         local_world: Ranks on the machine.
 
     Returns:
-        The sorted cores bound, or None where nothing was bound (no ``sched_setaffinity`` on
-        this platform, or fewer cores than ranks: logged).
+        The sorted cores bound, or None where nothing was bound (logged): no rank given or in
+        the environment, no ``sched_setaffinity`` on this platform, fewer cores than ranks, or
+        the binding refused by the system.
+
+    Raises:
+        ValueError: for a rank outside ``[0, local_world)``.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
-    if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if local_rank is None or local_world is None:
+        if "LOCAL_RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+            logger.info("[Ghost] ranks left unbound: LOCAL_RANK / LOCAL_WORLD_SIZE not set")
+            return None
+        local_rank = int(os.environ["LOCAL_RANK"]) if local_rank is None else local_rank
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if local_world is None else local_world
     try:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -86,5 +97,10 @@ def bind_rank_to_cores(local_rank: int | None = None, local_world: int | None = 
         )
         return None
     mine = rank_cores(cores, local_rank, local_world)
-    os.sched_setaffinity(0, mine)
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError as err:
+        logger.info("[Ghost] ranks left unbound: the system refused the binding (%s)", err)
+        return None
+    logger.info("[Ghost] local rank %d bound to cores %s", local_rank, mine)
     return mine
