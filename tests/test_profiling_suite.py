@@ -140,7 +140,11 @@ def test_experiment_records_each_measured_steps_batch_and_time(tmp_path):
     runs' reconstruction (``local_batch_sizes`` in loop order, the log's step lines) agrees."""
     from opacus_fsdp_sync.bench import throughput
 
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    # torchrun's local ranks set: without --no-bind-cpus this rank would be bound to its cores
+    env = dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )  # fmt: skip
     cmd = [
         sys.executable, str(SUITE / "profile_experiment.py"), "--model", "tiny",
         "--mode", "ghost_fsdp_one_backward", "--seq-length", "16", "--batch-size", "4",

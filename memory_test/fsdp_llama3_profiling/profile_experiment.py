@@ -34,7 +34,7 @@ from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import get_mode
 from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores
-from opacus_fsdp_sync.distributed.env import init_distributed
+from opacus_fsdp_sync.distributed.env import init_distributed, pick_device_and_backend
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import (
     CollectiveCounter,
@@ -207,7 +207,7 @@ def _loss(cfg, model, criterion, ids, labels, private):
 def run(cfg: ExperimentConfig) -> dict:
     """Builds, shards, (makes private,) trains and measures; returns the result dict."""
     cores = None
-    if cfg.bind_cpus and not torch.cuda.is_available():  # before gloo starts threads
+    if cfg.bind_cpus and pick_device_and_backend()[0] == "cpu":  # before gloo starts threads
         cores = bind_rank_to_cores()
     rank, world, device = init_distributed()
     mode = get_mode(cfg.mode)
