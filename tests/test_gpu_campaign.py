@@ -126,23 +126,31 @@ def _fake_nvidia_smi(tmp_path, name="NVIDIA H100 80GB HBM3", mib=81559):
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
 
-def test_poisson_rows_halve_the_batch_on_an_80gb_card(tmp_path):
+def test_poisson_rows_run_physical_batches_of_8_on_an_80gb_card(tmp_path):
+    """An 80 GB card keeps the expected batch of 8 and runs each draw in physical batches of
+    at most 8 (BatchMemoryManager's split, every row alike), rather than a smaller batch."""
     proc = _run(tmp_path, DRY_RUN="1", PATH=_fake_nvidia_smi(tmp_path))
     assert proc.returncode == 0, proc.stderr
     suite, poisson = [line for line in proc.stdout.splitlines() if line.startswith("+ ")][:2]
     assert "BATCH_SIZE=8 " in suite and "POISSON=0" in suite
-    assert "BATCH_SIZE=4 " in poisson and "POISSON=1" in poisson
-    assert "does not hold 1.5x 8" in proc.stdout
+    assert "--max-physical-batch-size" not in suite
+    assert "BATCH_SIZE=8 " in poisson and "POISSON=1" in poisson
+    assert "--dp-seed 2026 --max-physical-batch-size 8" in poisson
+    assert "physical batches of at most 8: a 81559 MiB card" in proc.stdout
     assert "NVIDIA H100 80GB HBM3" in proc.stdout  # the hardware is named from the same tool
 
 
-def test_poisson_batch_is_kept_on_a_large_card_or_when_given(tmp_path):
+def test_poisson_draws_run_whole_on_a_large_card_or_as_given(tmp_path):
     big = _run(tmp_path, DRY_RUN="1", PATH=_fake_nvidia_smi(tmp_path, "NVIDIA H200", 143771))
-    given = _run(tmp_path, DRY_RUN="1", POISSON_BATCH_SIZE="3")
-    for proc, batch in ((big, 8), (given, 3)):
+    given = _run(tmp_path, DRY_RUN="1", POISSON_BATCH_SIZE="3", POISSON_MAX_PHYSICAL="2")
+    for proc, batch, cap in ((big, 8, None), (given, 3, 2)):
         assert proc.returncode == 0, proc.stderr
         poisson = [line for line in proc.stdout.splitlines() if line.startswith("+ ")][1]
         assert f"BATCH_SIZE={batch} " in poisson and "POISSON=1" in poisson
+        if cap is None:
+            assert "--max-physical-batch-size" not in poisson
+        else:
+            assert f"--max-physical-batch-size {cap}" in poisson
 
 
 @pytest.mark.slow

@@ -9,10 +9,13 @@
 #                     row's peak memory is in the suite's summary;
 #   2. poisson:       the same rows with Poisson sampling (compared per example, as the suite
 #                     does: bench/throughput.py) at an expected batch of POISSON_BATCH_SIZE
-#                     (default BATCH_SIZE, halved on a card under 100 GiB: draws reach 1.5x the
-#                     expected batch, and batch 12 at seq 1024 does not fit an 80 GB H100);
-#                     every row, no_dp included, draws the same batches (--dp-seed POISSON_SEED,
-#                     a published seed: a benchmark's opt-in, no privacy claim);
+#                     (default BATCH_SIZE); on a card under 100 GiB each draw runs as physical
+#                     batches of at most POISSON_MAX_PHYSICAL (default BATCH_SIZE there, none on
+#                     larger cards; 0: none), as BatchMemoryManager runs them, every row alike:
+#                     draws reach 1.5x the expected batch, and batch 12 at seq 1024 does not
+#                     fit an 80 GB H100; every row, no_dp included, draws the same batches
+#                     (--dp-seed POISSON_SEED, a published seed: a benchmark's opt-in, no
+#                     privacy claim);
 #   3. gram:          gram_blocks.py, the Linear ghost norms of one decoder block per gram_block;
 #   4. ledger:        the op ledger (bench/ledger.py) of the same model at the first sequence
 #                     length, one decoder block, on this machine's CPU: bytes, ops and FLOPs per
@@ -32,7 +35,7 @@
 # campaign.md naming the hardware, software, commands and each part's wall time.
 # Environment overrides: PYTHON (default python3; the suite's scripts start it too), OUT, PARTS
 # ("suite poisson gram ledger profile rows noise hf_fsdp"), MODEL, BATCH_SIZE, SEQ_LENGTHS ("1024 2048 4096"),
-# POISSON_BATCH_SIZE, POISSON_SEED (2026), MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
+# POISSON_BATCH_SIZE, POISSON_MAX_PHYSICAL, POISSON_SEED (2026), MODES, STEPS, WARMUP, NPROC, GRAM_ARGS, LEDGER_ARGS, PROFILE_STEPS,
 # DRY_RUN=1 (print the commands only).
 # CPU smoke test: MODEL=tiny BATCH_SIZE=2 SEQ_LENGTHS=32 STEPS=1 WARMUP=1 NPROC=1 PROFILE_STEPS=1
 #   PARTS="suite gram profile"
@@ -67,14 +70,17 @@ gpu_mib() {  # the first GPU's memory in MiB, 0 when none answers
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 || true)
   echo "${mib:-0}" | tr -dc '0-9'
 }
-if [ -z "${POISSON_BATCH_SIZE:-}" ]; then
-  POISSON_BATCH_SIZE=$BATCH_SIZE
+POISSON_BATCH_SIZE=${POISSON_BATCH_SIZE:-$BATCH_SIZE}
+if [ -z "${POISSON_MAX_PHYSICAL:-}" ]; then
+  POISSON_MAX_PHYSICAL=0
   mib=$(gpu_mib)
-  if [ "${mib:-0}" -gt 0 ] && [ "$mib" -lt 102400 ] && [ "$BATCH_SIZE" -gt 1 ]; then
-    POISSON_BATCH_SIZE=$((BATCH_SIZE / 2))
-    echo "Poisson rows at an expected batch of $POISSON_BATCH_SIZE: a $mib MiB card does not hold 1.5x $BATCH_SIZE"
+  if [ "${mib:-0}" -gt 0 ] && [ "$mib" -lt 102400 ]; then
+    POISSON_MAX_PHYSICAL=$BATCH_SIZE
+    echo "Poisson rows in physical batches of at most $POISSON_MAX_PHYSICAL: a $mib MiB card does not hold 1.5x $POISSON_BATCH_SIZE"
   fi
 fi
+POISSON_ARGS="--dp-seed $POISSON_SEED"
+[ "$POISSON_MAX_PHYSICAL" -gt 0 ] && POISSON_ARGS+=" --max-physical-batch-size $POISSON_MAX_PHYSICAL"
 
 hardware() {
   local name=""
@@ -113,7 +119,7 @@ run_part() {  # one part; its status is its last command's
       run "${NPROC_ARG[@]}" OUT="$OUT/$part" MODEL="$MODEL" BATCH_SIZE="$batch" \
         SEQ_LENGTHS="$SEQ_LENGTHS" STEPS="$STEPS" WARMUP="$WARMUP" MODES="$MODES" \
         POISSON="$([ "$part" = poisson ] && echo 1 || echo 0)" \
-        EXTRA_ARGS="${EXTRA_ARGS:-}$([ "$part" = poisson ] && echo " --dp-seed $POISSON_SEED")" \
+        EXTRA_ARGS="${EXTRA_ARGS:-}$([ "$part" = poisson ] && echo " $POISSON_ARGS")" \
         bash "$HERE/run_all_experiments.sh" ;;
     gram)
       # shellcheck disable=SC2086
@@ -176,7 +182,7 @@ print(f"torch {torch.__version__} (CUDA {cuda}), opacus {opacus.__version__}, "
       f"Python {platform.python_version()}")
 PY
   echo
-  echo "Settings: MODEL=$MODEL BATCH_SIZE=$BATCH_SIZE POISSON_BATCH_SIZE=$POISSON_BATCH_SIZE SEQ_LENGTHS=$SEQ_LENGTHS STEPS=$STEPS WARMUP=$WARMUP; gram_blocks.py $GRAM_ARGS"
+  echo "Settings: MODEL=$MODEL BATCH_SIZE=$BATCH_SIZE POISSON_BATCH_SIZE=$POISSON_BATCH_SIZE POISSON_MAX_PHYSICAL=$POISSON_MAX_PHYSICAL SEQ_LENGTHS=$SEQ_LENGTHS STEPS=$STEPS WARMUP=$WARMUP; gram_blocks.py $GRAM_ARGS"
   echo
   for part in $PARTS; do
     status=""; [[ " ${FAILED[*]+"${FAILED[*]}"} " == *" $part "* ]] && status=" (FAILED: see its logs)"

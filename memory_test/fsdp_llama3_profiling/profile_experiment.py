@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import get_mode
+from opacus_fsdp_sync.bench.physical_batches import add_phases, draw_loss, physical_slices
 from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores
 from opacus_fsdp_sync.distributed.env import init_distributed, pick_device_and_backend
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
@@ -102,6 +104,16 @@ class ExperimentConfig:
     one stand-in example with its loss times zero, as the engine does for models that cannot run
     zero examples). ``--no-poisson-sampling``: the same fixed batch every step, for fixed-shape
     benchmarking."""
+    max_physical_batch_size: int | None = None
+    """Poisson sampling only: run each draw as the physical batches of at most this many
+    examples that Opacus's ``BatchMemoryManager`` runs, for a card that cannot hold the largest
+    draws whole (the same split: :func:`~opacus_fsdp_sync.sampling.poisson.physical_batches`
+    on every rank, near-equal chunks, the optimizer told to skip every step but the last).
+    ``no_dp`` splits the same draws into the same chunks and accumulates their gradients (each
+    chunk's loss times its share of the draw, one optimizer step). Every row reduce-scatters
+    after each physical batch, as the private engine hands off each one's clipped gradients.
+    A step's time is its physical batches' together. None (the default): each draw runs
+    whole."""
     dp_seed: int | None = None
     """Opt-in reproducibility for comparisons (``PrivacyEngine(dp_seed=...)``): the Poisson
     draws and the noise come from this integer, so that runs with the same seed, ``no_dp``
@@ -134,6 +146,16 @@ class ExperimentConfig:
                 raise ValueError(f"{f}={getattr(self, f)}: must be at least 1")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup}: must be >= 0")
+        if self.max_physical_batch_size is not None:
+            if self.max_physical_batch_size < 1:
+                raise ValueError(
+                    f"max_physical_batch_size={self.max_physical_batch_size}: must be at least 1"
+                )
+            if not self.poisson_sampling:
+                raise ValueError(
+                    "max_physical_batch_size splits Poisson draws: with --no-poisson-sampling "
+                    "set --batch-size to the physical batch instead"
+                )
 
 
 def parse_args(argv: list[str] | None = None) -> ExperimentConfig:
@@ -193,6 +215,20 @@ def _cycle(loader):
     """Batches of ``loader`` over as many epochs as asked for."""
     while True:
         yield from loader
+
+
+def _global_count(local: int, device: torch.device, world: int) -> int:
+    """The draw's size over every rank (one all-reduce; none on one rank)."""
+    if world == 1:
+        return local
+    size = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(size)
+    return int(size.item())
+
+
+def _engine_phases(engine: PrivacyEngine) -> tuple[dict, dict]:
+    """The engine's device and host milliseconds per phase of its last backward."""
+    return engine.last_step_timings, engine.last_step_host_timings
 
 
 def _loss(cfg, model, criterion, ids, labels, private):
@@ -271,6 +307,8 @@ def run(cfg: ExperimentConfig) -> dict:
             how = f"Poisson (shared draw, batch sizes vary around {cfg.batch_size} per rank)" + (
                 "" if mode.private else ", non-private: the private rows' sampler, no engine"
             )
+            if cfg.max_physical_batch_size is not None:
+                how += f", physical batches of at most {cfg.max_physical_batch_size} a rank"
         else:
             how = f"fixed batch of {cfg.batch_size} per rank" + (
                 "" if mode.private else ", non-private"
@@ -287,6 +325,8 @@ def run(cfg: ExperimentConfig) -> dict:
     watch, cpu_steps = CpuStopwatch(), []  # each measured step's CPU time (profiling.cpu_time)
     losses = []
     total = cfg.warmup + cfg.steps + cfg.count_steps
+    cap = cfg.max_physical_batch_size
+    physical_counts: list[int] = []  # physical batches of every loop step
     for i in range(total):
         measured = cfg.warmup <= i < cfg.warmup + cfg.steps
         counted = i >= cfg.warmup + cfg.steps
@@ -295,6 +335,15 @@ def run(cfg: ExperimentConfig) -> dict:
             alloc_before = allocator_counts(device)
         if i == cfg.warmup + cfg.steps:  # the measured steps are over (the profiled one too)
             alloc_after = allocator_counts(device)
+        sampling_ms = None
+        if batches is not None:  # the shared draw, split and collate, outside the step's time
+            start = time.perf_counter()
+            ids, labels = (t.to(device) for t in next(batches))
+            sampling_ms = (time.perf_counter() - start) * 1e3
+        batch_sizes.append(int(ids.shape[0]))
+        drawn = _global_count(int(ids.shape[0]), device, world) if cap is not None else 0
+        parts = physical_slices(int(ids.shape[0]), drawn, world, cap)  # untimed, uncounted
+        physical_counts.append(len(parts))
         if counted:
             counter.__enter__()
         profiler = None
@@ -303,37 +352,43 @@ def run(cfg: ExperimentConfig) -> dict:
             profiler.__enter__()
             ranges = profiler_ranges()  # phase::<name> ranges in the trace (bench.trace_phases)
             ranges.__enter__()
-        sampling_ms = None
-        if batches is not None:  # the shared draw, split and collate, outside the step's time
-            start = time.perf_counter()
-            ids, labels = (t.to(device) for t in next(batches))
-            sampling_ms = (time.perf_counter() - start) * 1e3
-        batch_sizes.append(int(ids.shape[0]))
-        # no_dp with an empty share: Llama cannot run zero examples; one stand-in, loss times 0
-        # (so this rank's gradients are zero and FSDP's mean over ranks is smaller that step:
-        # the cost is what is measured, as the engine's stand-in does for private rows)
-        stand_in = not mode.private and ids.shape[0] == 0
-        if stand_in:
-            ids, labels = fixed_ids[:1], fixed_labels[:1]
+        chunk_losses = []  # (loss, weight): each physical batch's share of the draw
+        engine_ms: list[tuple[dict, dict]] = []  # the engine's phases of each physical batch
         watch.start()
         try:
             with timer.phase("step"):
-                with phase("forward"), timer.phase("forward"):
-                    if counted:  # also untimed: autograd's saved bytes, next to one backward's
-                        with saved:
-                            loss = _loss(cfg, model, criterion, ids, labels, mode.private)
-                    else:
-                        loss = _loss(cfg, model, criterion, ids, labels, mode.private)
+                for j, part in enumerate(parts):
+                    last = j == len(parts) - 1
+                    p_ids, p_labels = ids[part], labels[part]
+                    share = p_ids.shape[0] / ids.shape[0] if ids.shape[0] else 0.0
+                    # no_dp with an empty share: Llama cannot run zero examples; one stand-in,
+                    # loss times 0 (this rank's gradients are zero and FSDP's mean over ranks
+                    # is smaller that step: the cost is measured, as the engine's stand-in)
+                    stand_in = not mode.private and p_ids.shape[0] == 0
                     if stand_in:
-                        loss = loss * 0
-                if mode.private:
-                    loss.backward()
-                else:
-                    with phase("backward"), timer.phase("backward"):
+                        p_ids, p_labels = fixed_ids[:1], fixed_labels[:1]
+                    if engine is not None and len(parts) > 1:  # as BatchMemoryManager signals
+                        optimizer.signal_skip_step(do_skip=not last)
+                    with phase("forward"), timer.phase("forward"):
+                        # counted steps, untimed: autograd's saved bytes of one physical forward
+                        with saved if counted and j == 0 else contextlib.nullcontext():
+                            loss = _loss(cfg, model, criterion, p_ids, p_labels, mode.private)
+                        if stand_in:
+                            loss = loss * 0
+                        elif not mode.private and len(parts) > 1:
+                            loss = loss * share  # the draw's mean loss, accumulated
+                    chunk_losses.append((loss, share))
+                    if mode.private:
+                        if j > 0:  # the previous backward's phases, read where it syncs anyway
+                            engine_ms.append(_engine_phases(engine))
                         loss.backward()
-                with phase("optimizer_step"), timer.phase("optimizer_step"):
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)  # Opacus's default zero-fills
+                    else:
+                        with phase("backward"), timer.phase("backward"):
+                            loss.backward()
+                    with phase("optimizer_step"), timer.phase("optimizer_step"):
+                        if mode.private or last:  # private: skipped but in the last
+                            optimizer.step()
+                            optimizer.zero_grad(set_to_none=True)  # Opacus's default zero-fills
             cpu = watch.stop()  # the step's span, not the profiler's export below
         finally:
             if counted:
@@ -344,8 +399,10 @@ def run(cfg: ExperimentConfig) -> dict:
                 _write_op_profile(profiler, cfg, device)
         timings, host = timer.flush(), timer.last_host_step
         if engine is not None:
-            timings.update(engine.last_step_timings)
-            host.update(engine.last_step_host_timings)
+            engine_ms.append(_engine_phases(engine))
+            for phases in engine_ms:
+                add_phases(timings, phases[0])
+                add_phases(host, phases[1])
             for t in (timings, host):
                 if "norm_tuning" in t:  # one-off: reported on its own, not in the step
                     t["step"] = max(0.0, t["step"] - t["norm_tuning"])
@@ -353,7 +410,7 @@ def run(cfg: ExperimentConfig) -> dict:
                 cpu = cpu.minus(host["norm_tuning"])
         if sampling_ms is not None:
             timings["sampling"] = sampling_ms
-        losses.append(float(loss.item() if hasattr(loss, "item") else loss))
+        losses.append(draw_loss(chunk_losses, mode.private))
         if measured:
             for k, v in timings.items():
                 per_phase.setdefault(k, []).append(v)
@@ -424,12 +481,16 @@ def run(cfg: ExperimentConfig) -> dict:
         },
         "model": {"parameters": n_params, "tied_embeddings": tied},
         "sync_api": engine.sync_api if engine is not None else None,
+        # the optimizer steps the engine took (one per loop step: physical batches but the
+        # last are skipped steps); None: no engine
+        "optimizer_steps_taken": engine.optimizer_steps if engine is not None else None,
         "phases_ms": {k: _summary(v) for k, v in per_phase.items()},
         "step_ms": _summary(step_ms),
         "tokens_per_s": throughput.tokens_per_s(step_ms, global_sizes, cfg.seq_length),
         "ms_per_example": throughput.per_example_ms(step_ms, global_sizes),
         "sampling": "poisson" if poisson else "fixed",
         "local_batch_sizes": batch_sizes,
+        "physical_batches": physical_counts,  # of every loop step (1: the draw ran whole)
         "measured_step_ms": step_ms,
         # CUDA: the host's time in each phase beside the events' (on CPU the same clock)
         **(
