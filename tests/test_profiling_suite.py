@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opacus_fsdp_sync.bench.provenance import code_version
 from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import PHASE_PARENT
@@ -83,6 +84,10 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         assert r["allocator_per_step"] == {}  # CUDA's caching-allocator churn; none on CPU
         # rank 0 ran on its own block of the cores (BIND_CPUS defaults to 1 on CPU)
         assert r["environment"]["cpu_cores_bound"] == bound
+        assert r["environment"]["cpu_cores_bound_by_rank"] == (
+            [bound, rank_cores(cores, 1, 2)] if bound else [None, None]
+        )
+        assert r["environment"]["code"] == code_version()  # this checkout, as run
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()
         # Global batch per measured step: summed over both ranks (rank 0's local is part of it).
         sizes = r["measured_global_batch_sizes"]

@@ -35,6 +35,7 @@ from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.bench import throughput
 from opacus_fsdp_sync.bench.modes import get_mode
 from opacus_fsdp_sync.bench.physical_batches import add_phases, draw_loss, physical_slices
+from opacus_fsdp_sync.bench.provenance import code_version
 from opacus_fsdp_sync.distributed.cpu_affinity import bind_rank_to_cores
 from opacus_fsdp_sync.distributed.env import init_distributed, pick_device_and_backend
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
@@ -478,6 +479,8 @@ def run(cfg: ExperimentConfig) -> dict:
             "collectives_counted_in_untimed_steps": cfg.count_steps,
             "host": platform.node(),
             "cpu_cores_bound": cores,  # this rank's (rank 0's in the file); None: unbound
+            "cpu_cores_bound_by_rank": _every_rank(cores, world),  # rank by rank
+            "code": code_version(),  # the checkout's commit, and whether it was modified
         },
         "model": {"parameters": n_params, "tied_embeddings": tied},
         "sync_api": engine.sync_api if engine is not None else None,
@@ -531,6 +534,13 @@ def _global_batch_sizes(local: list[int], device: torch.device) -> list[int]:
     sizes = torch.tensor(local, dtype=torch.int64, device=device)
     dist.all_reduce(sizes)
     return [int(b) for b in sizes.tolist()]
+
+
+def _every_rank(value, world: int) -> list:
+    """``value`` of every rank, in rank order (one gather, after the measured steps)."""
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _norm_tuning(model) -> dict | None:

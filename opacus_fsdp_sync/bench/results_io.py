@@ -2,7 +2,8 @@
 
 The op ledger (:mod:`.ledger`), the host-time bench (:mod:`.host_overhead`) and the Poisson
 memory bench (:mod:`.poisson_memory`) each write ``DIR/{name}.json`` (the result) and
-``DIR/{name}.md`` (its table).
+``DIR/{name}.md`` (its table); the JSON names the code that measured it (``code``,
+:func:`.provenance.code_version`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+
+from .provenance import code_version
 
 
 def _rank0() -> bool:
@@ -19,9 +22,14 @@ def _rank0() -> bool:
 
 
 def save(out: str | None, name: str, result: dict, table: str) -> None:
-    """Writes ``{out}/{name}.json`` and ``{out}/{name}.md`` (nothing when ``out`` is None)."""
+    """Writes ``{out}/{name}.json`` and ``{out}/{name}.md`` (nothing when ``out`` is None).
+
+    The JSON is ``result`` with ``code`` (:func:`.provenance.code_version`) added unless it has
+    one.
+    """
     if out is None:
         return
+    result = {**result, "code": result.get("code", code_version())}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(result, indent=2))
