@@ -13,7 +13,12 @@ import sys
 
 import pytest
 
-from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores
+from opacus_fsdp_sync.distributed.cpu_affinity import (
+    parse_cpu_list,
+    physical_cores,
+    rank_cores,
+    read_siblings,
+)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +73,7 @@ def test_a_rank_is_bound_to_its_block_and_stays_within_the_cores_it_had():
     world = min(2, len(cores))
     for r in range(world):
         got = _child(r, world)
-        assert got["bound"] == rank_cores(cores, r, world)
+        assert got["bound"] == rank_cores(cores, r, world, read_siblings(cores))
         assert got["now"] == got["bound"]
 
 
@@ -98,3 +103,41 @@ def test_without_torchruns_ranks_nothing_is_bound():
     got = _child(None, None, {"WORLD_SIZE": "2", "RANK": "1"})
     assert got["bound"] is None
     assert got["now"] == cores
+
+
+def _far_apart(n: int) -> dict[int, frozenset[int]]:
+    """``2 n`` logical CPUs whose hyperthread siblings are ``i`` and ``i + n`` (x86 servers)."""
+    return {c: frozenset({c % n, c % n + n}) for c in range(2 * n)}
+
+
+def test_siblings_far_apart_go_to_the_same_rank():
+    """Blocks of adjacent ids would give rank 0 cores 0-3 and rank 1 their own siblings 4-7."""
+    siblings = _far_apart(4)
+    blocks = [rank_cores(list(range(8)), r, 2, siblings) for r in range(2)]
+    assert blocks == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    adjacent = {c: frozenset({c - c % 2, c - c % 2 + 1}) for c in range(8)}
+    assert [rank_cores(list(range(8)), r, 2, adjacent) for r in range(2)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+
+
+def test_a_cpuset_keeps_only_its_siblings_and_few_physical_cores_fall_back_to_logical():
+    siblings = _far_apart(4)
+    cpuset = [0, 1, 2, 3, 4, 5]  # cores 2 and 3 without their siblings 6 and 7
+    assert physical_cores(cpuset, siblings) == [[0, 4], [1, 5], [2], [3]]
+    assert [rank_cores(cpuset, r, 2, siblings) for r in range(2)] == [[0, 1, 4, 5], [2, 3]]
+    # two physical cores for four ranks: each rank its own logical CPU
+    two = _far_apart(2)
+    assert [rank_cores([0, 1, 2, 3], r, 4, two) for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_the_topology_is_read_from_linux_cpu_lists(tmp_path):
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    for cpu, text in ((0, "0,2\n"), (1, "1,3\n"), (2, "0,2\n"), (3, "1,3\n")):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text)
+    siblings = read_siblings([0, 1, 2, 3], tmp_path)
+    assert siblings == {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}
+    assert rank_cores([0, 1, 2, 3], 1, 2, siblings) == [1, 3]
+    assert read_siblings([0, 4], tmp_path) is None  # cpu4's file is missing: no topology

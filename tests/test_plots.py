@@ -241,6 +241,34 @@ def test_committed_runs_add_up(run_dir):
     assert plot.off_bars(plot.bars(results)) == []
 
 
+def test_a_run_with_every_steps_phases_draws_its_median_step():
+    """Steps of different kinds (a draw whole, a draw in two physical batches): the per-phase
+    medians come from different steps and overshoot the median step; the median step's own
+    phases add up to it (the mean of the two middle steps for an even count)."""
+    steps = [
+        {"forward": 30.0, "first_backward": 10.0, "norms": 2.0, "sampling": 0.5, "step": 40.0},
+        {"forward": 10.0, "first_backward": 30.0, "norms": 6.0, "sampling": 0.5, "step": 41.0},
+        {"forward": 25.0, "first_backward": 25.0, "norms": 5.0, "sampling": 0.5, "step": 50.0},
+    ]
+    result = {
+        "config": {"mode": DEFAULT_MODE, "seq_length": 64},
+        "status": "ok",
+        "step_ms": {"median": 41.0},
+        "phases_ms": {
+            p: {"median": statistics.median(s[p] for s in steps)}
+            for p in ("forward", "first_backward", "norms", "sampling")
+        },
+    }
+    assert len(plot.off_bars([plot.stack(result)])) == 1  # 25 + 25 ms stacked against 41
+    result["measured_step_phases_ms"] = steps
+    assert plot.median_step_phases(result) == {
+        "forward": 10.0, "first_backward": 30.0, "norms": 6.0, "sampling": 0.5
+    }  # fmt: skip
+    assert plot.off_bars([plot.stack(result)]) == []
+    even = dict(result, measured_step_phases_ms=steps + [dict(steps[0], step=39.0)])
+    assert plot.median_step_phases(even)["forward"] == 20.0  # the 40 and 41 ms steps
+
+
 def _recorded(result: dict, step_ms: list[float], sizes: list[int]) -> dict:
     """``result`` with per-step data of a run that records them (the summary table's fields)."""
     r = json.loads(json.dumps(result))

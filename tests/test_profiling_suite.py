@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from opacus_fsdp_sync.bench.provenance import code_version
-from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores
+from opacus_fsdp_sync.distributed.cpu_affinity import rank_cores, read_siblings
 from opacus_fsdp_sync.models import LlamaSpec, build_llama, count_parameters
 from opacus_fsdp_sync.profiling import PHASE_PARENT
 from tests.suite_scripts import load_script
@@ -64,7 +64,8 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
     assert proc.returncode == 0
     assert "experiment 5/5: ghost_fsdp_one_backward_seq32" in proc.stdout
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    bound = rank_cores(cores, 0, 2) if len(cores) >= 2 else None
+    siblings = read_siblings(cores)  # whole physical cores per rank, where Linux tells them
+    bound = rank_cores(cores, 0, 2, siblings) if len(cores) >= 2 else None
     results = {
         m: json.loads((tmp_path / f"{m}_seq32.json").read_text())
         for m in (
@@ -85,7 +86,7 @@ def test_suite_end_to_end_on_tiny_preset(tmp_path):
         # rank 0 ran on its own block of the cores (BIND_CPUS defaults to 1 on CPU)
         assert r["environment"]["cpu_cores_bound"] == bound
         assert r["environment"]["cpu_cores_bound_by_rank"] == (
-            [bound, rank_cores(cores, 1, 2)] if bound else [None, None]
+            [bound, rank_cores(cores, 1, 2, siblings)] if bound else [None, None]
         )
         assert r["environment"]["code"] == code_version()  # this checkout, as run
         assert (tmp_path / "logs" / f"{mode}_seq32.log").exists()

@@ -146,7 +146,7 @@ def stack(result: dict, no_dp: dict | None = None) -> Bar:
         The stacked top-level phases and ``other``, the nested phases placed inside their parent,
         the phases timed outside the step.
     """
-    present = {p: s["median"] for p, s in result["phases_ms"].items()}
+    present = median_step_phases(result)
     step = result["step_ms"]["median"]
     cfg = result["config"]
     bar = Bar(label=label(result), mode=cfg["mode"], seq=cfg["seq_length"], step_ms=step)
@@ -162,6 +162,24 @@ def stack(result: dict, no_dp: dict | None = None) -> Bar:
         bar.vs_no_dp, basis = throughput.ratio(result, no_dp)
         bar.per_example = basis == throughput.PER_EXAMPLE and result.get("sampling") == "poisson"
     return bar
+
+
+def median_step_phases(result: dict) -> dict[str, float]:
+    """The phases a bar stacks: those of the median step where the run records every step's.
+
+    A run that records each measured step's phases (``measured_step_phases_ms``) gives the
+    phases of its middle step by step time (the mean of the two middle steps for an even
+    count), which add up to the median step. Per-phase medians need not: where steps differ in
+    kind (a Poisson draw run whole or in two physical batches) the median of each phase comes
+    from a different step. Older runs give their per-phase medians.
+    """
+    steps = result.get("measured_step_phases_ms")
+    if not steps:
+        return {p: s["median"] for p, s in result["phases_ms"].items()}
+    order = sorted(range(len(steps)), key=lambda i: steps[i]["step"])
+    mid = order[(len(order) - 1) // 2 : len(order) // 2 + 1]
+    names = {p for i in mid for p in steps[i] if p != "step"}
+    return {p: sum(steps[i].get(p, 0.0) for i in mid) / len(mid) for p in names}
 
 
 def _place_nested(bar: Bar, present: dict[str, float], where: dict[str, str | None]) -> None:

@@ -322,6 +322,7 @@ def run(cfg: ExperimentConfig) -> dict:
     counter = CollectiveCounter()
     saved = SavedTensorsMeter()
     per_phase: dict[str, list[float]] = {}
+    step_phases: list[dict[str, float]] = []  # each measured step's phases (the step's too)
     host_phase: dict[str, list[float]] = {}  # the host's time in each phase (CUDA: beside events)
     watch, cpu_steps = CpuStopwatch(), []  # each measured step's CPU time (profiling.cpu_time)
     losses = []
@@ -415,6 +416,7 @@ def run(cfg: ExperimentConfig) -> dict:
         if measured:
             for k, v in timings.items():
                 per_phase.setdefault(k, []).append(v)
+            step_phases.append(dict(timings))
             for k, v in host.items():
                 host_phase.setdefault(k, []).append(v)
             cpu_steps.append(cpu)
@@ -488,6 +490,9 @@ def run(cfg: ExperimentConfig) -> dict:
         # last are skipped steps); None: no engine
         "optimizer_steps_taken": engine.optimizer_steps if engine is not None else None,
         "phases_ms": {k: _summary(v) for k, v in per_phase.items()},
+        # each measured step's phases, in loop order ("step": the step's own time): the plot
+        # draws the median step's phases, which add up to it where per-phase medians do not
+        "measured_step_phases_ms": step_phases,
         "step_ms": _summary(step_ms),
         "tokens_per_s": throughput.tokens_per_s(step_ms, global_sizes, cfg.seq_length),
         "ms_per_example": throughput.per_example_ms(step_ms, global_sizes),

@@ -10,29 +10,94 @@ a CPU rank is the same kind of unit: its helpers run in its own waits. MPI launc
 not); :func:`bind_rank_to_cores` does it for a process about to join a gloo process group, so
 that the threads gloo starts inherit the binding.
 
-Blocks are contiguous in the logical CPU ids: where the ids of hyperthread siblings are far apart
-(``i`` and ``i + N``), two ranks' blocks may share physical cores. What binding changed on one
-machine: ``memory_test/fsdp_llama3_profiling/results/cpu-2cores-small-bound-cores/``.
+Blocks are whole physical cores: a core's hyperthread siblings (from Linux's
+``/sys/devices/system/cpu/cpu*/topology/thread_siblings_list``, :func:`read_siblings`) go to the
+same rank, whether their ids are adjacent (``2i`` and ``2i + 1``) or far apart (``i`` and
+``i + N``, as on most x86 servers, where blocks of adjacent ids would give two ranks the two
+threads of the same cores). With fewer physical cores than ranks, or without the topology, the
+blocks are of logical CPUs. What binding changed on one machine:
+``memory_test/fsdp_llama3_profiling/results/cpu-2cores-small-bound-cores/``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: Where Linux describes each logical CPU (``cpu<i>/topology/thread_siblings_list``).
+SYSFS_CPUS = Path("/sys/devices/system/cpu")
 
-def rank_cores(cores: list[int], local_rank: int, local_world: int) -> list[int]:
-    """The contiguous block of ``cores`` that local rank ``local_rank`` of ``local_world`` gets.
 
-    Each rank gets ``len(cores) // local_world`` cores; the first ``len(cores) % local_world``
+def parse_cpu_list(text: str) -> set[int]:
+    """The ids of a Linux CPU list (``"0-3,8,10-11"``).
+
+    Raises:
+        ValueError: for text that is not a CPU list.
+    """
+    ids: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        ids.update(range(int(low), int(high or low) + 1))
+    return ids
+
+
+def read_siblings(cores: list[int], root: Path = SYSFS_CPUS) -> dict[int, frozenset[int]] | None:
+    """Each core's hyperthread siblings, itself included, from Linux's topology files.
+
+    Args:
+        cores: The logical CPUs to look up.
+        root: The folder holding ``cpu<i>/`` (Linux's; another in tests).
+
+    Returns:
+        ``{core: its siblings}``, or None where a core's file is missing or unreadable (not
+        Linux, or a container that hides it): then ranks get blocks of logical CPUs.
+    """
+    siblings = {}
+    for core in cores:
+        try:
+            text = (root / f"cpu{core}" / "topology" / "thread_siblings_list").read_text()
+            siblings[core] = frozenset(parse_cpu_list(text) | {core})
+        except (OSError, ValueError) as err:
+            logger.debug("no topology for cpu %d: %s", core, err)
+            return None
+    return siblings
+
+
+def physical_cores(cores: list[int], siblings: dict[int, frozenset[int]]) -> list[list[int]]:
+    """``cores`` grouped by physical core, each group sorted, groups by their lowest id.
+
+    A group holds only the siblings in ``cores`` (a cpuset may leave some out).
+    """
+    allowed, seen, groups = set(cores), set(), []
+    for core in sorted(allowed):
+        if core not in seen:
+            group = sorted((siblings.get(core, frozenset()) & allowed) | {core})
+            seen.update(group)
+            groups.append(group)
+    return groups
+
+
+def rank_cores(
+    cores: list[int],
+    local_rank: int,
+    local_world: int,
+    siblings: dict[int, frozenset[int]] | None = None,
+) -> list[int]:
+    """The block of ``cores`` that local rank ``local_rank`` of ``local_world`` gets.
+
+    The cores are cut into physical cores (``siblings``; each logical CPU alone without them,
+    or when there are fewer physical cores than ranks), in order of their lowest id. Each rank
+    gets ``len(units) // local_world`` consecutive units; the first ``len(units) % local_world``
     ranks get one more, so every core is used once.
 
     Args:
         cores: The cores the processes may run on (sorted or not; sorted here).
         local_rank: This process's rank on the machine, ``0 <= local_rank < local_world``.
         local_world: Ranks on the machine.
+        siblings: Each core's hyperthread siblings (:func:`read_siblings`); None: unknown.
 
     Returns:
         The cores of this rank, sorted.
@@ -51,15 +116,21 @@ def rank_cores(cores: list[int], local_rank: int, local_world: int) -> list[int]
             f"{len(pool)} core(s) for {local_world} ranks: binding needs at least one core "
             "per rank (run fewer ranks, or leave the ranks unbound)"
         )
-    share, extra = divmod(len(pool), local_world)
+    units = physical_cores(pool, siblings) if siblings else []
+    if len(units) < local_world:
+        units = [[c] for c in pool]
+    share, extra = divmod(len(units), local_world)
     start = local_rank * share + min(local_rank, extra)
-    return pool[start : start + share + (1 if local_rank < extra else 0)]
+    block = units[start : start + share + (1 if local_rank < extra else 0)]
+    return sorted(c for unit in block for c in unit)
 
 
 def bind_rank_to_cores(
     local_rank: int | None = None, local_world: int | None = None
 ) -> list[int] | None:
     """Binds the calling thread, and the threads it starts later, to its block of the cores.
+
+    The blocks are of whole physical cores where Linux gives the topology (:func:`rank_cores`).
 
     Linux only. Call it before the process group starts: gloo's threads inherit the binding of
     the thread that starts them, and threads that already exist keep theirs. Without arguments
@@ -96,7 +167,7 @@ def bind_rank_to_cores(
             local_world,
         )
         return None
-    mine = rank_cores(cores, local_rank, local_world)
+    mine = rank_cores(cores, local_rank, local_world, read_siblings(cores))
     try:
         os.sched_setaffinity(0, mine)
     except OSError as err:
