@@ -3,14 +3,16 @@
 One horizontal bar per experiment (short mode name and API on the left, one panel per sequence
 length), so that ten modes stay readable:
 
-- ``phases.png``: the median of every top-level phase of the step, stacked in step order, then
+- ``phases.png``: the top-level phases of the median step, stacked in step order (runs that
+  record each step's phases: the middle step by time, the mean of the two middle ones for an
+  even count, :func:`median_step_phases`; older runs: the median of every phase), then
   ``other``, the measured step minus those phases (the untimed gaps; clipped at zero, since
-  medians need not add up). A bar ends at the measured step (the black tick) within a few per
-  cent. Phases timed inside another (``norms`` inside ``first_backward``) are drawn hatched inside
-  their parent, not on top of it; phases timed outside the step (``sampling``) are not stacked
-  and are written after the bar. Which phase is which comes from
-  :data:`opacus_fsdp_sync.profiling.PHASE_PARENT`; a phase missing there is stacked (with a
-  warning), never dropped. The legend lists the phases visible in at least one bar; those
+  per-phase medians need not add up). A bar ends at the measured step (the black tick)
+  within a few per cent. Phases timed inside another (``norms`` inside ``first_backward``)
+  are drawn hatched inside their parent, not on top of it; phases timed outside the step
+  (``sampling``) are not stacked and are written after the bar. Which phase is which comes
+  from :data:`opacus_fsdp_sync.profiling.PHASE_PARENT`; a phase missing there is stacked (with
+  a warning), never dropped. The legend lists the phases visible in at least one bar; those
   narrower than :data:`LEGEND_MIN` of the widest bar everywhere are named in a footnote.
 - ``communication.png``: one panel per collective kind that occurs (all-gather, reduce-scatter,
   all-reduce, ...): MiB per step of each experiment, stacked by the phase that issued them;
