@@ -3,6 +3,8 @@
 Opacus's grad-sample hooks keep their per-step state as plain attributes on the user's layers and
 parameters (``activations``, ``max_batch_len``, ``_forward_counter``, ``norm_sample``,
 ``_norm_sample``), and adaptive clipping sets ``_adjusted_noise_multiplier`` on the DP optimizer.
+The DP optimizer's virtual steps (``signal_skip_step``, which ``BatchMemoryManager`` sends) live
+in its ``_step_skip_queue`` and ``_is_last_step_skipped``.
 None of them is declared: each appears once a hook or a clipping step has run, so "absent" is a
 normal state here, read as empty, not an error. Checked on opacus 1.6.0 (the release the suite
 runs on); a reader who upgrades Opacus checks these names in ``opacus/grad_sample/`` and
@@ -151,3 +153,22 @@ def noise_multiplier_in_force(optimizer) -> float:
     same way, falling back to ``noise_multiplier``.
     """
     return getattr(optimizer, "_adjusted_noise_multiplier", optimizer.noise_multiplier)
+
+
+def last_step_skipped(optimizer) -> bool:
+    """Whether the DP optimizer's last step was a skipped one (a draw that goes on).
+
+    Reads ``_is_last_step_skipped``, set by ``DPOptimizer.pre_step``: True after a physical batch
+    of ``BatchMemoryManager`` that is not its draw's last. False for an optimizer without it.
+    """
+    return bool(getattr(optimizer, "_is_last_step_skipped", False))
+
+
+def next_step_skipped(optimizer) -> bool:
+    """Whether the DP optimizer's next step will be skipped, without taking the signal.
+
+    Reads the head of ``_step_skip_queue`` (``signal_skip_step`` appends, ``pre_step`` takes).
+    False for an empty queue or an optimizer without one.
+    """
+    queue = getattr(optimizer, "_step_skip_queue", None)
+    return bool(queue) and bool(queue[0])

@@ -16,6 +16,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
+from ._opacus_internals import last_step_skipped, next_step_skipped
 from .apis.api import GradientHandoff, StepController
 from .apis.single import NullController
 from .errors import attach_cleanup_error
@@ -158,19 +159,26 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         from a second backward or, with the one-backward hand-off, straight from what the first
         pass kept. Gradient sync, FSDP state and Opacus hooks are restored even on error.
 
+        With timing on, the physical batches of one draw (``BatchMemoryManager``: every step but
+        the draw's last skipped) are timed as one step: their phases add up and are resolved
+        after the draw's last backward, so that no physical batch waits for the device to read
+        the previous one's CUDA events.
+
         Raises:
             ValueError: for a loss reduction other than ``"mean"`` or ``"sum"``.
         """
         hooks = step_hooks(self.module)
         reduced_loss = _reduce(self.loss_per_sample, self.loss_reduction)
-        self.context.timer.flush()  # previous step's CUDA events, if any were left pending
+        if not last_step_skipped(self.optimizer):  # a draw's physical batches: timed together
+            self.context.timer.flush()  # previous step's CUDA events, if any were left pending
         if self.context.allocator_watch is not None:
             self.context.allocator_watch.check()
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)
         self._clipped_pass(hooks, one=path.one)
         self.context.last_step_one_backward = path.one
-        self.context.timer.end_step()
+        if not next_step_skipped(self.optimizer):  # more physical batches of this draw to come
+            self.context.timer.end_step()
 
     def _choose_path(self, hooks: StepHooks) -> _StepPath:
         """Which first pass and which hand-off this step takes; logs each fallback.

@@ -399,7 +399,11 @@ class PrivacyEngine(opacus.PrivacyEngine):
 
     @property
     def last_step_timings(self) -> dict[str, float]:
-        """Milliseconds per phase of the last step of the last model made private (if timed)."""
+        """Milliseconds per phase of the last step of the last model made private (if timed).
+
+        Under ``BatchMemoryManager`` the last draw's physical batches together (each phase
+        summed over them), once the draw's last backward has run.
+        """
         return {} if self._context is None else self._context.timer.last_step
 
     @property

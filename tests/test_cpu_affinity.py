@@ -18,6 +18,7 @@ from opacus_fsdp_sync.distributed.cpu_affinity import (
     physical_cores,
     rank_cores,
     read_siblings,
+    whole_physical_cores,
 )
 
 
@@ -126,7 +127,10 @@ def test_a_cpuset_keeps_only_its_siblings_and_few_physical_cores_fall_back_to_lo
     siblings = _far_apart(4)
     cpuset = [0, 1, 2, 3, 4, 5]  # cores 2 and 3 without their siblings 6 and 7
     assert physical_cores(cpuset, siblings) == [[0, 4], [1, 5], [2], [3]]
-    assert [rank_cores(cpuset, r, 2, siblings) for r in range(2)] == [[0, 1, 4, 5], [2, 3]]
+    # whole cores would give four CPUs and two: logical blocks of three each instead
+    assert [rank_cores(cpuset, r, 2, siblings) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    # with one more core left out, whole cores split evenly: [0, 4] + [1] against [2] + [3]
+    assert [rank_cores([0, 1, 2, 3, 4], r, 2, siblings) for r in range(2)] == [[0, 1, 4], [2, 3]]
     # two physical cores for four ranks: each rank its own logical CPU
     two = _far_apart(2)
     assert [rank_cores([0, 1, 2, 3], r, 4, two) for r in range(4)] == [[0], [1], [2], [3]]
@@ -141,3 +145,14 @@ def test_the_topology_is_read_from_linux_cpu_lists(tmp_path):
     assert siblings == {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}
     assert rank_cores([0, 1, 2, 3], 1, 2, siblings) == [1, 3]
     assert read_siblings([0, 4], tmp_path) is None  # cpu4's file is missing: no topology
+
+
+def test_whole_cores_that_would_split_unevenly_give_logical_blocks():
+    """Three two-thread cores for two ranks: whole cores would give four CPUs and two (the rank
+    with four waits for the other at every collective); logical blocks give three each."""
+    adjacent = {c: frozenset({c - c % 2, c - c % 2 + 1}) for c in range(6)}
+    assert [rank_cores(list(range(6)), r, 2, adjacent) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    assert not whole_physical_cores(list(range(6)), 2, adjacent)
+    assert whole_physical_cores(list(range(8)), 2, _far_apart(4))
+    assert not whole_physical_cores(list(range(8)), 2, None)
+    assert not whole_physical_cores([0, 1], 2, {0: frozenset({0}), 1: frozenset({1})})

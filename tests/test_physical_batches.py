@@ -98,27 +98,39 @@ def test_suite_runs_private_and_plain_rows_on_the_same_physical_batches(tmp_path
         os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"
     )  # fmt: skip
     runs = {}
-    for mode in ("no_dp", "ghost_fsdp_one_backward"):
+    for mode, cap in (("no_dp", "2"), ("ghost_fsdp_one_backward", "2"), ("whole", None)):
+        name, mode = mode, "ghost_fsdp_one_backward" if mode == "whole" else mode
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", str(SUITE / "profile_experiment.py"),
             "--model", "tiny", "--mode", mode, "--seq-length", "16", "--batch-size", "5",
-            "--steps", "3", "--warmup", "1", "--dp-seed", "11", "--max-physical-batch-size",
-            "2", "--out", str(tmp_path), "--no-bind-cpus",
+            "--steps", "3", "--warmup", "1", "--dp-seed", "11", "--out", str(tmp_path),
+            "--name", name, "--no-bind-cpus",
         ]  # fmt: skip
+        if cap is not None:
+            cmd += ["--max-physical-batch-size", cap]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         assert proc.returncode == 0
-        runs[mode] = json.loads((tmp_path / f"{mode}_seq16.json").read_text())
-        assert "physical batches of at most 2 a rank" in proc.stdout
-    plain, private = runs["no_dp"], runs["ghost_fsdp_one_backward"]
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert ("physical batches of at most 2 a rank" in proc.stdout) == (cap is not None)
+        assert "requires_grad=True" not in proc.stderr  # losses read detached
+    plain, private, whole = runs["no_dp"], runs["ghost_fsdp_one_backward"], runs["whole"]
     assert plain["local_batch_sizes"] == private["local_batch_sizes"]
     assert plain["physical_batches"] == private["physical_batches"]
     loops = 1 + 3 + 1  # warm-up, measured, counted
     assert len(private["physical_batches"]) == loops
     assert max(private["physical_batches"]) > 1
     assert private["optimizer_steps_taken"] == loops and plain["optimizer_steps_taken"] is None
+    assert private["physical_batches"][0] > 1  # the first draw is split: its loss weighted
     assert private["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-5)
+    # split or whole, the private run trains the same (clipped sums, one noised step per draw;
+    # no noise differs: the same seed draws the same noise)
+    assert whole["physical_batches"] == [1] * loops
+    assert private["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    steps = private["measured_step_phases_ms"]  # each measured step's phases, in loop order
+    assert [p["step"] for p in steps] == private["measured_step_ms"]
+    assert all("first_backward" in p and "forward" in p for p in steps)
     sizes = private["measured_global_batch_sizes"]
     for global_size, n in zip(sizes, private["physical_batches"][1:4]):
         assert n == max(1, math.ceil(math.ceil(global_size / 2) / 2))

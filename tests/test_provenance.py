@@ -28,8 +28,11 @@ def test_commit_and_modified_follow_the_checkout(tmp_path):
     assert code_version(repo) == {"commit": head, "modified": True}
 
 
-def test_outside_a_checkout_both_are_unknown(tmp_path):
+def test_outside_a_checkout_or_below_its_top_both_are_unknown(tmp_path):
     assert code_version(tmp_path) == {"commit": None, "modified": None}
+    _git(tmp_path, "init", "-q")  # a package installed inside another project's repository
+    (tmp_path / "site").mkdir()
+    assert code_version(tmp_path / "site") == {"commit": None, "modified": None}
 
 
 def test_saved_results_carry_the_packages_code_version(tmp_path):

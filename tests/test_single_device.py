@@ -223,3 +223,31 @@ def test_unknown_grad_sample_mode_is_refused_naming_the_allowed_ones(setup):
     assert not model._forward_hooks and all(not m._forward_hooks for m in model.modules())
     gsm, *_ = make_private(PrivacyEngine(), copy.deepcopy(base), (x, y), B, C, "hooks")
     assert isinstance(gsm, opacus.GradSampleModule)  # Opacus's own modes pass through
+
+
+def test_a_draws_physical_batches_are_timed_as_one_step(setup, caplog):
+    """``BatchMemoryManager``'s physical batches of one draw (every step but the last skipped)
+    resolve their timings once, after the draw's last backward: no physical batch waits for the
+    previous one's CUDA events, and the draw's phases are the batches' together. The test feeds
+    its own halves of two fixed batches (what it checks is timing, not sampling)."""
+    base, x, y, C = setup
+    engine = PrivacyEngine(timing=True)
+    gsm, opt, crit, _ = make_private(engine, copy.deepcopy(base), (x, y), B, C, "ghost")
+    timer = engine._context.timer  # the engine's own timer: what is pending, unresolved
+    lines = []
+    with caplog.at_level(logging.INFO, logger="opacus_fsdp_sync"):
+        for draw in range(2):
+            for half in range(2):
+                opt.signal_skip_step(do_skip=half == 0)
+                rows = slice(draw * B + half * B // 2, draw * B + (half + 1) * B // 2)
+                crit(gsm(x[rows]), y[rows]).backward()
+                opt.step()
+                opt.zero_grad()
+                lines.append(
+                    sum("[Ghost] first_backward:" in r.getMessage() for r in caplog.records)
+                )
+                if half == 0:  # the first half's spans wait for the second's
+                    assert {p.name for p in timer._pending} >= {"first_backward", "norms"}
+    assert lines == [0, 1, 1, 2]  # one resolution per draw, none after a skipped step
+    assert timer._pending == []  # the last draw resolved
+    assert engine.optimizer_steps == 2

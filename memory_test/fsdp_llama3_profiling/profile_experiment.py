@@ -227,11 +227,6 @@ def _global_count(local: int, device: torch.device, world: int) -> int:
     return int(size.item())
 
 
-def _engine_phases(engine: PrivacyEngine) -> tuple[dict, dict]:
-    """The engine's device and host milliseconds per phase of its last backward."""
-    return engine.last_step_timings, engine.last_step_host_timings
-
-
 def _loss(cfg, model, criterion, ids, labels, private):
     if cfg.task == "seq_cls":
         return criterion(model(input_ids=ids).logits, labels)
@@ -355,7 +350,6 @@ def run(cfg: ExperimentConfig) -> dict:
             ranges = profiler_ranges()  # phase::<name> ranges in the trace (bench.trace_phases)
             ranges.__enter__()
         chunk_losses = []  # (loss, weight): each physical batch's share of the draw
-        engine_ms: list[tuple[dict, dict]] = []  # the engine's phases of each physical batch
         watch.start()
         try:
             with timer.phase("step"):
@@ -379,10 +373,8 @@ def run(cfg: ExperimentConfig) -> dict:
                             loss = loss * 0
                         elif not mode.private and len(parts) > 1:
                             loss = loss * share  # the draw's mean loss, accumulated
-                    chunk_losses.append((loss, share))
+                    chunk_losses.append((loss.detach() if not mode.private else loss, share))
                     if mode.private:
-                        if j > 0:  # the previous backward's phases, read where it syncs anyway
-                            engine_ms.append(_engine_phases(engine))
                         loss.backward()
                     else:
                         with phase("backward"), timer.phase("backward"):
@@ -400,11 +392,9 @@ def run(cfg: ExperimentConfig) -> dict:
                 profiler.__exit__(None, None, None)
                 _write_op_profile(profiler, cfg, device)
         timings, host = timer.flush(), timer.last_host_step
-        if engine is not None:
-            engine_ms.append(_engine_phases(engine))
-            for phases in engine_ms:
-                add_phases(timings, phases[0])
-                add_phases(host, phases[1])
+        if engine is not None:  # the draw's physical batches together (the engine sums them)
+            add_phases(timings, engine.last_step_timings)
+            add_phases(host, engine.last_step_host_timings)
             for t in (timings, host):
                 if "norm_tuning" in t:  # one-off: reported on its own, not in the step
                     t["step"] = max(0.0, t["step"] - t["norm_tuning"])

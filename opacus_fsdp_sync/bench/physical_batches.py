@@ -53,13 +53,13 @@ def add_phases(into: dict[str, float], more: dict[str, float]) -> None:
 def draw_loss(chunk_losses: list[tuple], private: bool) -> float:
     """The draw's loss from its physical batches' ``(loss, share of the draw)``.
 
+    ``no_dp``'s losses are already weighted by their shares (a stand-in's is zero); a private
+    row's are each physical batch's mean, weighted here.
+
     Args:
         chunk_losses: Per physical batch, its loss (a tensor, or the engine's loss: anything
             ``float`` reads) and its share of this rank's draw.
         private: Whether the losses are a private row's.
-
-    ``no_dp``'s losses are already weighted by their shares (a stand-in's is zero); a private
-    row's are each physical batch's mean, weighted here.
 
     Returns:
         The draw's mean loss; for an empty share (every physical batch empty) the last

@@ -34,16 +34,18 @@ def code_version(root: Path | None = None) -> dict[str, str | bool | None]:
     """The commit checked out at ``root`` and whether tracked files differ from it.
 
     Args:
-        root: A folder inside a git checkout; None: the package's own (:data:`PACKAGE_ROOT`).
+        root: The top folder of a git checkout; None: the package's own (:data:`PACKAGE_ROOT`).
 
     Returns:
         ``{"commit": the full hash, "modified": whether a tracked file is changed}``; both None
-        outside a git checkout (an installed wheel) or without git. Untracked files do not count
+        where ``root`` is not a checkout's top folder (an installed wheel, or a package
+        installed inside another project's repository) or without git. Untracked files do not count
         as a change (results written into the tree are untracked while they are measured).
     """
     root = PACKAGE_ROOT if root is None else root
+    top = _git(root, "rev-parse", "--show-toplevel")
     commit = _git(root, "rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": None, "modified": None}
+    if top is None or commit is None or Path(top).resolve() != Path(root).resolve():
+        return {"commit": None, "modified": None}  # not a checkout's top (an enclosing repo's)
     status = _git(root, "status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "modified": None if status is None else bool(status)}

@@ -29,7 +29,8 @@ def save(out: str | None, name: str, result: dict, table: str) -> None:
     """
     if out is None:
         return
-    result = {**result, "code": result.get("code", code_version())}
+    if "code" not in result:
+        result = {**result, "code": code_version()}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps(result, indent=2))

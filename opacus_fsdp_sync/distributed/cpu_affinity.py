@@ -34,6 +34,12 @@ SYSFS_CPUS = Path("/sys/devices/system/cpu")
 def parse_cpu_list(text: str) -> set[int]:
     """The ids of a Linux CPU list (``"0-3,8,10-11"``).
 
+    Args:
+        text: The list as Linux writes it (a trailing newline allowed).
+
+    Returns:
+        The ids it names.
+
     Raises:
         ValueError: for text that is not a CPU list.
     """
@@ -69,7 +75,13 @@ def read_siblings(cores: list[int], root: Path = SYSFS_CPUS) -> dict[int, frozen
 def physical_cores(cores: list[int], siblings: dict[int, frozenset[int]]) -> list[list[int]]:
     """``cores`` grouped by physical core, each group sorted, groups by their lowest id.
 
-    A group holds only the siblings in ``cores`` (a cpuset may leave some out).
+    Args:
+        cores: The logical CPUs to group.
+        siblings: Each core's hyperthread siblings (:func:`read_siblings`).
+
+    Returns:
+        One group per physical core, holding only the siblings in ``cores`` (a cpuset may
+        leave some out).
     """
     allowed, seen, groups = set(cores), set(), []
     for core in sorted(allowed):
@@ -88,10 +100,13 @@ def rank_cores(
 ) -> list[int]:
     """The block of ``cores`` that local rank ``local_rank`` of ``local_world`` gets.
 
-    The cores are cut into physical cores (``siblings``; each logical CPU alone without them,
-    or when there are fewer physical cores than ranks), in order of their lowest id. Each rank
-    gets ``len(units) // local_world`` consecutive units; the first ``len(units) % local_world``
-    ranks get one more, so every core is used once.
+    The cores are cut into physical cores (``siblings``), in order of their lowest id. Each
+    rank gets ``len(units) // local_world`` consecutive units; the first
+    ``len(units) % local_world`` ranks get one more, so every core is used once. Each logical
+    CPU is its own unit without ``siblings``, with fewer physical cores than ranks, or where
+    whole physical cores would give two ranks logical CPU counts more than one apart (three
+    two-thread cores for two ranks: four and two; ranks wait for the slowest at every
+    collective).
 
     Args:
         cores: The cores the processes may run on (sorted or not; sorted here).
@@ -117,12 +132,32 @@ def rank_cores(
             "per rank (run fewer ranks, or leave the ranks unbound)"
         )
     units = physical_cores(pool, siblings) if siblings else []
-    if len(units) < local_world:
-        units = [[c] for c in pool]
-    share, extra = divmod(len(units), local_world)
-    start = local_rank * share + min(local_rank, extra)
-    block = units[start : start + share + (1 if local_rank < extra else 0)]
-    return sorted(c for unit in block for c in unit)
+    blocks = _blocks(units, local_world) if len(units) >= local_world else []
+    sizes = [sum(len(u) for u in b) for b in blocks]
+    if not blocks or max(sizes) - min(sizes) > 1:
+        blocks = _blocks([[c] for c in pool], local_world)
+    return sorted(c for unit in blocks[local_rank] for c in unit)
+
+
+def whole_physical_cores(
+    cores: list[int], local_world: int, siblings: dict[int, frozenset[int]] | None
+) -> bool:
+    """Whether :func:`rank_cores` gives the ranks whole physical cores (else logical CPUs)."""
+    if not siblings or len(physical_cores(cores, siblings)) == len(cores):
+        return False
+    blocks = [rank_cores(cores, r, local_world, siblings) for r in range(local_world)]
+    return all(set().union(*(siblings[c] & set(cores) for c in b)) == set(b) for b in blocks)
+
+
+def _blocks(units: list[list[int]], world: int) -> list[list[list[int]]]:
+    """``units`` in ``world`` consecutive blocks, the first ``len % world`` one unit longer."""
+    share, extra = divmod(len(units), world)
+    out, start = [], 0
+    for r in range(world):
+        size = share + (1 if r < extra else 0)
+        out.append(units[start : start + size])
+        start += size
+    return out
 
 
 def bind_rank_to_cores(
@@ -167,11 +202,19 @@ def bind_rank_to_cores(
             local_world,
         )
         return None
-    mine = rank_cores(cores, local_rank, local_world, read_siblings(cores))
+    siblings = read_siblings(cores)
+    mine = rank_cores(cores, local_rank, local_world, siblings)
     try:
         os.sched_setaffinity(0, mine)
     except OSError as err:
         logger.info("[Ghost] ranks left unbound: the system refused the binding (%s)", err)
         return None
-    logger.info("[Ghost] local rank %d bound to cores %s", local_rank, mine)
+    logger.info(
+        "[Ghost] local rank %d bound to cores %s (%s)",
+        local_rank,
+        mine,
+        "whole physical cores"
+        if whole_physical_cores(cores, local_world, siblings)
+        else "logical CPUs: no hyperthread siblings known, or whole cores would not split evenly",
+    )
     return mine
