@@ -14,11 +14,11 @@ import sys
 import pytest
 
 from opacus_fsdp_sync.distributed.cpu_affinity import (
+    holds_whole_cores,
     parse_cpu_list,
     physical_cores,
     rank_cores,
     read_siblings,
-    whole_physical_cores,
 )
 
 
@@ -152,7 +152,8 @@ def test_whole_cores_that_would_split_unevenly_give_logical_blocks():
     with four waits for the other at every collective); logical blocks give three each."""
     adjacent = {c: frozenset({c - c % 2, c - c % 2 + 1}) for c in range(6)}
     assert [rank_cores(list(range(6)), r, 2, adjacent) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
-    assert not whole_physical_cores(list(range(6)), 2, adjacent)
-    assert whole_physical_cores(list(range(8)), 2, _far_apart(4))
-    assert not whole_physical_cores(list(range(8)), 2, None)
-    assert not whole_physical_cores([0, 1], 2, {0: frozenset({0}), 1: frozenset({1})})
+    assert holds_whole_cores([0, 1, 2], list(range(6)), adjacent) is False  # core 1's 3 is not
+    far = _far_apart(4)
+    assert holds_whole_cores(rank_cores(list(range(8)), 0, 2, far), list(range(8)), far) is True
+    assert holds_whole_cores([0, 1], list(range(8)), None) is None
+    assert holds_whole_cores([0], [0, 1], {0: frozenset({0}), 1: frozenset({1})}) is True

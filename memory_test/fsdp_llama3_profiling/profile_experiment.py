@@ -218,15 +218,6 @@ def _cycle(loader):
         yield from loader
 
 
-def _global_count(local: int, device: torch.device, world: int) -> int:
-    """The draw's size over every rank (one all-reduce; none on one rank)."""
-    if world == 1:
-        return local
-    size = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(size)
-    return int(size.item())
-
-
 def _loss(cfg, model, criterion, ids, labels, private):
     if cfg.task == "seq_cls":
         return criterion(model(input_ids=ids).logits, labels)
@@ -338,7 +329,7 @@ def run(cfg: ExperimentConfig) -> dict:
             ids, labels = (t.to(device) for t in next(batches))
             sampling_ms = (time.perf_counter() - start) * 1e3
         batch_sizes.append(int(ids.shape[0]))
-        drawn = _global_count(int(ids.shape[0]), device, world) if cap is not None else 0
+        drawn = _global_batch_sizes([int(ids.shape[0])], device)[0] if cap is not None else 0
         parts = physical_slices(int(ids.shape[0]), drawn, world, cap)  # untimed, uncounted
         physical_counts.append(len(parts))
         if counted:
@@ -515,12 +506,13 @@ def run(cfg: ExperimentConfig) -> dict:
 
 
 def _global_batch_sizes(local: list[int], device: torch.device) -> list[int]:
-    """The measured steps' global batch sizes: one all-reduce of the local ones, summed.
+    """The global batch sizes of steps: one all-reduce of the local ones, summed.
 
-    Called after the loop, so that it is neither timed nor seen by the collective counter.
+    Called where it is neither timed nor seen by the collective counter: after the loop for
+    the measured steps, before a step for its draw's size (``--max-physical-batch-size``).
 
     Args:
-        local: This rank's local batch size of each measured step, in loop order.
+        local: This rank's local batch size of each step asked for, in loop order.
         device: The rank's device (NCCL reduces CUDA tensors only).
 
     Returns:

@@ -139,14 +139,24 @@ def rank_cores(
     return sorted(c for unit in blocks[local_rank] for c in unit)
 
 
-def whole_physical_cores(
-    cores: list[int], local_world: int, siblings: dict[int, frozenset[int]] | None
-) -> bool:
-    """Whether :func:`rank_cores` gives the ranks whole physical cores (else logical CPUs)."""
-    if not siblings or len(physical_cores(cores, siblings)) == len(cores):
-        return False
-    blocks = [rank_cores(cores, r, local_world, siblings) for r in range(local_world)]
-    return all(set().union(*(siblings[c] & set(cores) for c in b)) == set(b) for b in blocks)
+def holds_whole_cores(
+    block: list[int], cores: list[int], siblings: dict[int, frozenset[int]] | None
+) -> bool | None:
+    """Whether ``block`` holds every sibling in ``cores`` of each of its cores.
+
+    Args:
+        block: One rank's cores (:func:`rank_cores`).
+        cores: The cores the processes may run on.
+        siblings: Each core's hyperthread siblings (:func:`read_siblings`); None: unknown.
+
+    Returns:
+        True where the rank has whole physical cores, False where it shares one with another
+        rank, None where the topology is unknown.
+    """
+    if not siblings:
+        return None
+    allowed, mine = set(cores), set(block)
+    return all(siblings[c] & allowed <= mine for c in block)
 
 
 def _blocks(units: list[list[int]], world: int) -> list[list[list[int]]]:
@@ -213,8 +223,10 @@ def bind_rank_to_cores(
         "[Ghost] local rank %d bound to cores %s (%s)",
         local_rank,
         mine,
-        "whole physical cores"
-        if whole_physical_cores(cores, local_world, siblings)
-        else "logical CPUs: no hyperthread siblings known, or whole cores would not split evenly",
+        {
+            True: "whole physical cores",
+            False: "logical CPUs: whole cores would not split evenly, one is shared",
+            None: "logical CPUs: the hyperthread topology is unknown",
+        }[holds_whole_cores(mine, cores, siblings)],
     )
     return mine
