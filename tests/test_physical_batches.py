@@ -134,3 +134,12 @@ def test_suite_runs_private_and_plain_rows_on_the_same_physical_batches(tmp_path
     sizes = private["measured_global_batch_sizes"]
     for global_size, n in zip(sizes, private["physical_batches"][1:4]):
         assert n == max(1, math.ceil(math.ceil(global_size / 2) / 2))
+    # the bytes one backward kept: the largest physical batch's over the run (kept tensors
+    # grow with the batch: per example, from the whole draws' largest), not the last one's
+    per_example, rest = divmod(whole["one_backward_kept_bytes"], max(whole["local_batch_sizes"]))
+    assert rest == 0 and per_example > 0
+    largest = max(
+        math.ceil(n_local / n)
+        for n_local, n in zip(private["local_batch_sizes"], private["physical_batches"])
+    )
+    assert private["one_backward_kept_bytes"] == per_example * largest

@@ -315,6 +315,7 @@ def run(cfg: ExperimentConfig) -> dict:
     total = cfg.warmup + cfg.steps + cfg.count_steps
     cap = cfg.max_physical_batch_size
     physical_counts: list[int] = []  # physical batches of every loop step
+    kept_max = 0  # the most bytes one backward kept, over every physical batch of every step
     for i in range(total):
         measured = cfg.warmup <= i < cfg.warmup + cfg.steps
         counted = i >= cfg.warmup + cfg.steps
@@ -367,6 +368,8 @@ def run(cfg: ExperimentConfig) -> dict:
                     chunk_losses.append((loss.detach() if not mode.private else loss, share))
                     if mode.private:
                         loss.backward()
+                        if engine is not None:  # a Python int of this physical batch's step
+                            kept_max = max(kept_max, engine.last_step_kept_bytes)
                     else:
                         with phase("backward"), timer.phase("backward"):
                             loss.backward()
@@ -497,7 +500,8 @@ def run(cfg: ExperimentConfig) -> dict:
         "comm_per_step": comm,
         "peak_memory": peak_memory(device),
         "allocator_per_step": allocator,
-        "one_backward_kept_bytes": engine.last_step_kept_bytes if engine is not None else 0,
+        # the largest over every physical batch run (a draw's largest, not its last batch's)
+        "one_backward_kept_bytes": kept_max,
         "norm_tuning": _norm_tuning(model),
         "autograd_saved_bytes": saved.bytes,
         "losses": losses,
