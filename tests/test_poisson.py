@@ -55,6 +55,30 @@ def test_draw_statistics_match_binomial_and_steps_are_independent():
     assert abs(overlap - n * q * q) < 5 * (n * q * q / steps) ** 0.5
 
 
+def test_each_step_keys_its_draw_with_every_bit_of_the_seed():
+    """Two steps whose 64-bit step seeds agree in their low 32 bits (all a CPU torch generator
+    keeps) draw different batches: the draw is keyed by the whole seed and the step. Seeded per
+    step with a torch generator, they drew the same batch (a repeated draw breaks the
+    accounting's independent sampling)."""
+    from opacus_fsdp_sync.randomness import splitmix64
+
+    seed = 0x5EED_0F_C0FFEE  # a fixed seed, so that the colliding pair below exists (the opt-in)
+    seen, pair = {}, None
+    for t in range(1 << 18):
+        low = splitmix64(seed, t) & 0xFFFFFFFF
+        if low in seen:
+            pair = (seen[low], t)
+            break
+        seen[low] = t
+    assert pair is not None
+    s = SharedPoissonSampler(num_samples=4000, sample_rate=0.05, steps=1, seed=seed)
+    a, b = (s.global_draw(t).tolist() for t in pair)
+    assert a != b
+    # and seeds that differ only above bit 32 draw differently too
+    other = SharedPoissonSampler(num_samples=4000, sample_rate=0.05, steps=1, seed=seed + 2**32)
+    assert other.global_draw(pair[0]).tolist() != a
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])

@@ -7,7 +7,10 @@ from a seed that rank 0 broadcasts once, and takes an even share of it (local si
 most one). The global batch is exactly a single-process Poisson sample, so the single-process
 accounting holds; an empty draw is still a step.
 
-Step ``t``'s draw depends only on the seed and ``t`` (a generator seeded from both). The sampler
+Step ``t``'s draw depends only on the seed and ``t``: numpy's PCG64 keyed by both through a
+``SeedSequence``, which keeps every bit of each. (A ``torch.Generator`` on CPU keeps only the low
+32 bits of its seed: seeded per step, two steps of one run would draw the same batch with
+probability about ``T^2 / 2^33`` over ``T`` steps, a quarter at 50,000.) The sampler
 advances by draws *handed out*, never by optimizer steps: each draw is used at most once, whether
 or not a step followed it (a step skipped after an out-of-memory error, a batch consumed by hand).
 Its state is the seed and the number of draws handed out, so a checkpoint restores it exactly.
@@ -26,13 +29,14 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sized
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from opacus.data_loader import dtype_safe, shape_safe, wrap_collate_with_empty
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from ..randomness import broadcast_seed, os_seed, splitmix64
+from ..randomness import broadcast_seed, os_seed
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,16 @@ def shared_seed(*, secure: bool = True, device: torch.device | None = None) -> i
     """
     del secure
     return broadcast_seed(os_seed(), device)
+
+
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of draw ``step``: PCG64 keyed by every bit of ``seed`` and of ``step``.
+
+    Distinct ``(seed, step)`` pairs give independent streams (``SeedSequence`` hashes both into
+    PCG64's 128-bit state), unlike a CPU ``torch.Generator``, whose Mersenne Twister keeps only
+    a seed's low 32 bits.
+    """
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(step,))))
 
 
 class SharedPoissonSampler(Sampler[list[int]]):
@@ -107,18 +121,19 @@ class SharedPoissonSampler(Sampler[list[int]]):
 
         Each example joins independently with probability ``q``: the selected positions of a
         Bernoulli process, drawn as its independent geometric gaps (``P(gap = k) = (1 - q)^(k-1)
-        q``), so a step costs O(N q) rather than a draw per example. Sorted ascending.
+        q``), so a step costs O(N q) rather than a draw per example. Sorted ascending. The
+        uniforms come from :func:`step_rng` (the whole seed and ``step``).
         """
         n, q = self.num_samples, self.sample_rate
         if q >= 1.0:
             return torch.arange(n)
-        g = torch.Generator().manual_seed(splitmix64(self.seed, step))
+        rng = step_rng(self.seed, step)
         expected = n * q
         chunk = int(expected + 6 * math.sqrt(expected) + 16)
         log_keep = math.log1p(-q)
         parts, last = [], -1.0
         while True:
-            u = torch.rand(chunk, generator=g, dtype=torch.float64)
+            u = torch.from_numpy(rng.random(chunk))  # float64 in [0, 1)
             gaps = torch.floor(torch.log1p(-u) / log_keep) + 1  # log1p(-u) = log of U(0, 1]
             positions = last + torch.cumsum(gaps, 0)
             inside = positions[positions < n]
