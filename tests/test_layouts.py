@@ -60,6 +60,18 @@ def test_unmanaged_trainable_parameters_are_refused_before_anything_is_wrapped()
             assert hooks == 0, path
 
 
+def test_secure_mode_is_refused_where_fsdp2_ranks_hold_replicas():
+    """Opacus's secure optimizer draws each rank's noise from its own ``/dev/urandom``: on
+    replicated coordinates (HSDP's replicate dimension, torch's FSDP-based ``replicate``) the
+    replicas would drift apart, each averaging the others' independent noise."""
+    for res in run_ranks(wl.secure_replicas, 2, timeout=300):
+        for layout, (message, hooks) in res.items():
+            assert message is not None, (layout, "accepted")
+            assert message.startswith("UnsupportedConfigurationError"), message
+            assert "replicated over ranks" in message and "secure_mode" in message, message
+            assert hooks == 0, layout
+
+
 @pytest.mark.parametrize("api", ["fsdp2", "fsdp1", "ddp"])
 def test_secure_mode_noise_is_calibrated(api):
     """Opacus's optimizers and secure draws (FSDP1: our secure shard noise and its scaling)."""

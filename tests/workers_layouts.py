@@ -289,6 +289,36 @@ def unmanaged_parameters(rank: int, world: int) -> dict:
     return out
 
 
+def secure_replicas(rank: int, world: int) -> dict:
+    """``secure_mode`` on FSDP2 layouts whose ranks hold the same coordinates: refused before
+    anything is wrapped (each rank's secure noise would differ on the replicas)."""
+    _stand_in_csprng()
+    x, y = _data(world)
+    out = {}
+    for layout in ("fsdp2_replicate", "hsdp"):
+        if layout == "hsdp":
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+            model = fully_shard(_base(), mesh=mesh)
+        else:
+            model = _fsdp2(layout, world)
+        hooks = _hooked(model)
+        try:
+            make_private(
+                PrivacyEngine(secure_mode=True),
+                model,
+                (x, y),
+                B_LOCAL * world,
+                C,
+                "ghost_fsdp",
+                shuffle=True,  # secure_mode's loader (as _one_step)
+            )
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            out[layout] = (f"{type(err).__name__}: {err}", _hooked(model) - hooks)
+        else:
+            out[layout] = (None, _hooked(model) - hooks)
+    return out
+
+
 def keep_unsharded_plan(rank: int, world: int) -> dict:
     """``keep_unsharded="auto"`` with and without one backward: the decision, and the step."""
     x, y = _data(world)

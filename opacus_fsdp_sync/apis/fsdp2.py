@@ -270,6 +270,44 @@ def _opacus_fsdp(inner, *, generator, secure_mode: bool, dp_degree: int, **kwarg
     )
 
 
+def replicated_parameters(modules: list[nn.Module]) -> list[str]:
+    """Trainable parameters that several ranks hold whole: replicated over a mesh dimension.
+
+    HSDP's replicate dimension, a ``(world, 1)`` no-shard mesh, torch's FSDP-based
+    ``replicate``: each such coordinate lives on more than one rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen, out = set(), []
+    for unit in modules:
+        for name, p in unit.named_parameters():
+            if id(p) in seen or not p.requires_grad or not isinstance(p, DTensor):
+                continue
+            seen.add(id(p))
+            mesh = p.device_mesh
+            if any(pl.is_replicate() and mesh.size(i) > 1 for i, pl in enumerate(p.placements)):
+                out.append(name)
+    return out
+
+
+def _refuse_secure_replicas(modules: list[nn.Module]) -> None:
+    """Refuses ``secure_mode`` where ranks hold the same coordinates (each would noise its own).
+
+    Opacus's secure optimizer draws from ``/dev/urandom`` on each rank, so the replicas of a
+    coordinate would add different noise: they drift apart, and each one's update averages
+    the others' independent noise, less than the accountant's.
+    """
+    replicated = replicated_parameters(modules)
+    if replicated:
+        raise UnsupportedConfigurationError(
+            f"secure_mode with {len(replicated)} trainable parameter(s) replicated over ranks "
+            f"({listing(replicated)}): each replica would add its own secure noise, so the "
+            "replicas drift apart and the noise is not the accountant's. Shard every "
+            'parameter (fully_shard over a 1-D mesh, or strategy="full"), or run without '
+            "secure_mode."
+        )
+
+
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Shard-local noise with ``ghost_fsdp`` and the optimisation on; else Opacus's.
 
@@ -277,6 +315,8 @@ def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: st
     parallelism FSDP2 averages over the data-parallel ranks only. Without it Opacus's own
     optimizer (None) already divides by the world size.
     """
+    if secure_mode:
+        _refuse_secure_replicas(modules)
     if options.sync_optimization and not secure_mode and grad_sample_mode == "ghost_fsdp":
         return functools.partial(_sharded, dp_degree=layout.dp_degree)
     if layout.tensor_parallel:
