@@ -6,6 +6,7 @@ Poisson sampling is on throughout. Tests that compare runs draw for draw opt in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -47,7 +48,7 @@ def test_dp_seed_is_refused_with_secure_mode_and_must_be_an_int():
         PrivacyEngine(dp_seed="1")
 
 
-def _one_device(n: int = 40, batch: int = 4):
+def _one_device(n: int = 40, batch: int = 4, num_workers: int = 0):
     """A one-device model made private with the shared sampler; x[:, 0] is the example index."""
     x = torch.randn(n, 32)
     x[:, 0] = torch.arange(n, dtype=torch.float)
@@ -58,7 +59,7 @@ def _one_device(n: int = 40, batch: int = 4):
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(data, batch_size=batch),
+        data_loader=DataLoader(data, batch_size=batch, num_workers=num_workers),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         grad_sample_mode="ghost",
@@ -108,6 +109,38 @@ def test_a_second_step_on_one_draw_counts_again_and_warns(caplog):
             opt.zero_grad()
     assert "second optimizer step on the same Poisson draw" in caplog.text
     assert _steps_counted(engine) == 2 and engine.sampler.handed_out == 1
+
+
+@pytest.mark.parametrize("physical", [None, 2])
+def test_loader_workers_fetching_ahead_count_each_draw_once(caplog, physical):
+    """Worker processes fetch draws before the loop takes them: every step (one per draw) is
+    still counted once and none is taken for a second step on its draw (with them, the last
+    steps of each epoch were counted twice, with a warning each), whole draws or in physical
+    batches; a real second step on a draw still counts again."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    engine, gsm, opt, crit, loader = _one_device(n=48, batch=4, num_workers=2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            if physical is None:
+                context, batches = contextlib.nullcontext(), loader
+            else:
+                context = BatchMemoryManager(
+                    data_loader=loader, max_physical_batch_size=physical, optimizer=opt
+                )
+                batches = context.__enter__()
+            for xb, yb in batches:
+                crit(gsm(xb), yb).backward()
+                opt.step()
+                opt.zero_grad()
+            context.__exit__(None, None, None)
+    assert "second optimizer step" not in caplog.text
+    assert engine.optimizer_steps == engine.sampler.handed_out == 2 * len(loader)
+    assert _steps_counted(engine) == engine.sampler.handed_out
+    crit(gsm(xb), yb).backward()  # the last draw again
+    opt.step()
+    assert "second optimizer step on the same Poisson draw" in caplog.text
+    assert _steps_counted(engine) == engine.sampler.handed_out + 1
 
 
 @pytest.mark.distributed

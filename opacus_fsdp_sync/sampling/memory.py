@@ -16,10 +16,12 @@ Opacus.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import opacus.utils.batch_memory_manager as bmm
 from torch.utils.data import DataLoader, Sampler
 
+from .delivery import count_delivered
 from .poisson import SharedPoissonSampler, physical_batches, worker_settings
 
 _opacus_wrap_data_loader = bmm.wrap_data_loader
@@ -38,18 +40,37 @@ class EqualCountSplittingSampler(Sampler[list[int]]):
         if max_batch_size <= 0:
             raise ValueError(f"max_physical_batch_size must be positive, got {max_batch_size}")
         self.sampler, self.max_batch_size, self.optimizer = sampler, max_batch_size, optimizer
+        #: Whether each physical batch handed out and not yet given to the loop ends its draw
+        #: (read by :class:`SplitDrawLoader` where worker processes fetch ahead).
+        self.ends: deque[bool] = deque()
 
     def __iter__(self):
         world, m = self.sampler.world_size, self.max_batch_size
+        self.ends.clear()  # a new loader iterator: an abandoned one's batches are never given
         for local, total in self.sampler.draws():
             n = physical_batches(total, world, m)
             for i, chunk in enumerate(near_equal_chunks(local, n)):
                 self.optimizer.signal_skip_step(do_skip=i < n - 1)
+                self.ends.append(i == n - 1)
                 yield chunk
 
     def __len__(self) -> int:
         expected = self.sampler.sample_rate * self.sampler.num_samples / self.sampler.world_size
         return len(self.sampler) * max(1, math.ceil(expected / self.max_batch_size))
+
+
+class SplitDrawLoader(DataLoader):
+    """The loader of :class:`EqualCountSplittingSampler`'s physical batches.
+
+    With worker processes it counts each draw as delivered when the draw's last physical batch
+    reaches the loop (:mod:`.delivery`).
+    """
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        split = self.batch_sampler
+        return count_delivered(super().__iter__, split.sampler, split.ends.popleft)
 
 
 def near_equal_chunks(items: list[int], n: int) -> list[list[int]]:
@@ -74,7 +95,7 @@ def wrap_data_loader(*, data_loader: DataLoader, max_batch_size: int, optimizer)
         return _opacus_wrap_data_loader(
             data_loader=data_loader, max_batch_size=max_batch_size, optimizer=optimizer
         )
-    return DataLoader(
+    return SplitDrawLoader(
         dataset=data_loader.dataset,
         batch_sampler=EqualCountSplittingSampler(
             sampler=sampler, max_batch_size=max_batch_size, optimizer=optimizer

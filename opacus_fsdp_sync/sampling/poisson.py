@@ -100,6 +100,9 @@ class SharedPoissonSampler(Sampler[list[int]]):
         self.handed_out = 0
         #: ``handed_out`` at the last optimizer step (see :meth:`step_taken`).
         self._stepped_at = 0
+        #: Draws whose last batch a loader with worker processes has given to the training
+        #: loop (:mod:`.delivery`); None: no such loader, every draw handed out is in use.
+        self.delivered: int | None = None
         #: Called with the global count of each draw as it is handed out (the engine's
         #: accountant); None: nobody counts.
         self.on_draw: Callable[[int], None] | None = None
@@ -112,6 +115,7 @@ class SharedPoissonSampler(Sampler[list[int]]):
     @completed.setter
     def completed(self, value: int) -> None:
         self.handed_out = self._stepped_at = int(value)
+        self.delivered = None
 
     def __len__(self) -> int:
         return self.steps
@@ -170,10 +174,12 @@ class SharedPoissonSampler(Sampler[list[int]]):
         """Records an optimizer step; False when a step was already taken on the current draw.
 
         A second step without a new draw releases the same examples twice: the engine counts
-        it as one more step and warns.
+        it as one more step and warns. A new draw is one handed out, or, behind a loader whose
+        workers fetch ahead, one given to the training loop (:attr:`delivered`).
         """
-        fresh = self._stepped_at != self.handed_out
-        self._stepped_at = self.handed_out
+        used = self.handed_out if self.delivered is None else self.delivered
+        fresh = self._stepped_at != used
+        self._stepped_at = used
         return fresh
 
     @property
@@ -211,7 +217,7 @@ class SharedPoissonSampler(Sampler[list[int]]):
                     "saved it."
                 )
         self.seed = int(state["seed"])
-        self.handed_out = self._stepped_at = int(state["handed_out"])
+        self.completed = int(state["handed_out"])
 
 
 class SharedPoissonDataLoader(DataLoader):
@@ -225,6 +231,14 @@ class SharedPoissonDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn, **kwargs)
         self.sample_rate = sampler.sample_rate
         self.distributed = sampler.world_size > 1
+
+    def __iter__(self):
+        """The loader's batches; with worker processes, counting each as delivered."""
+        if self.num_workers == 0:  # nothing fetched ahead: handed out is in use
+            return super().__iter__()
+        from .delivery import count_delivered
+
+        return count_delivered(super().__iter__, self.batch_sampler, lambda: True)
 
     @classmethod
     def from_data_loader(
