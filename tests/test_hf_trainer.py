@@ -226,6 +226,32 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert losses(resumed) == losses(straight)  # the saved history, then steps 3 and 4
 
 
+def test_the_draw_ledger_outlives_the_checkpoints_save_total_limit_deletes(tmp_path):
+    """The run's draw ledger (how far it went, for a fresh-noise resume) lives in the Trainer's
+    output folder: in the first checkpoint folder, it went with that folder and the next
+    ledger write raised ``FileNotFoundError`` mid-training."""
+    from opacus_fsdp_sync.sampling.ledger import read_ledger
+    from opacus_fsdp_sync.sharding.dp_state import dp_state_path, ledger_file
+
+    trainer = _trainer(
+        tmp_path,
+        DPArguments(noise_multiplier=1.0, max_grad_norm=1.0, logical_batch_size=8),
+        max_steps=3,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+    )
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    ledgers = list(tmp_path.glob("dp_draws_*.json"))
+    assert len(ledgers) == 1
+    assert read_ledger(str(ledgers[0])).steps == trainer.dp_session.steps_counted == 3
+    # a resume finds it from the kept checkpoint
+    dp = str(tmp_path / "checkpoint-3" / "dp")
+    state = torch.load(dp_state_path(dp, 0), weights_only=False)
+    assert ledger_file(state, dp) == str(ledgers[0])
+
+
 def test_save_model_writes_a_from_pretrained_model_and_its_privacy_record(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -258,3 +258,19 @@ def test_a_fresh_noise_resume_counts_every_released_step_and_draws_new_batches(
         wr.released_resume, world, layout, "b", path, 2, timeout=300
     )[0]
     assert [i for i, _ in stated["taken"]] == [4, 5] and stated["steps"] == 6
+
+
+def test_the_draw_ledger_writes_on_after_its_folder_was_removed(tmp_path):
+    """A ledger whose folder went (a checkpoint folder rotated away) is written there again,
+    never a crash in the middle of a draw."""
+    import shutil
+
+    from opacus_fsdp_sync.sampling.ledger import DrawLedger, LedgerPosition, read_ledger
+
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    ledger = DrawLedger(str(folder / "dp_draws_x.json"), write=True)
+    ledger.record(LedgerPosition(handed_out=1, history=[[1.0, 0.1, 1]]))
+    shutil.rmtree(folder)
+    ledger.record(LedgerPosition(handed_out=2, history=[[1.0, 0.1, 2]]))
+    assert read_ledger(str(folder / "dp_draws_x.json")).steps == 2

@@ -73,6 +73,7 @@ class DrawLedger:
         if not self.write or position.steps < self._furthest:
             return
         self._furthest = position.steps
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # if removed
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"handed_out": position.handed_out, "history": position.history}, f)

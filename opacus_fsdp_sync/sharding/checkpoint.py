@@ -30,6 +30,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     engine=None,
+    ledger_folder: str | None = None,
 ):
     """Saves model (and optimizer) state under directory ``path``; every rank calls it.
 
@@ -40,6 +41,9 @@ def save_checkpoint(
         engine: Our ``PrivacyEngine``: also saves each rank's DP state (needs ``optimizer``, the
             DP optimizer ``make_private`` returned). The state holds the sampler's secret seed
             and the noise generators' states: keep such checkpoints as private as the data.
+        ledger_folder: Where the run's draw ledger lives (:mod:`..sampling.ledger`), for a
+            framework that deletes old checkpoint folders (Hugging Face's
+            ``save_total_limit``); None: beside ``path``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -55,7 +59,7 @@ def save_checkpoint(
         if optimizer is None:
             raise ValueError("save_checkpoint(engine=...) needs the DP optimizer too")
         os.makedirs(path, exist_ok=True)
-        state_module.start_ledger(engine, path)
+        state_module.start_ledger(engine, path, ledger_folder)
         dp = state_module.dp_state(engine, optimizer)
         dp["optimizer_steps"] = engine.optimizer_steps
         torch.save(dp, state_module.dp_state_path(path, dp["rank"]))

@@ -305,26 +305,37 @@ def _move_to(engine, position: LedgerPosition, state: dict) -> None:
         )
 
 
-def start_ledger(engine, checkpoint: str) -> None:
-    """Starts ``engine``'s draw ledger beside directory ``checkpoint`` unless it has one.
+def start_ledger(engine, checkpoint: str, folder: str | None = None) -> None:
+    """Starts ``engine``'s draw ledger in ``folder`` (None: beside directory ``checkpoint``).
 
-    Collective (the ledger's id is rank 0's): every rank must call it.
+    Only where the engine has none yet. Collective (the ledger's id is rank 0's): every rank
+    must call it.
     """
     if engine.draw_ledger is None:
         rank, _ = _rank_world()
         lineage = f"{broadcast_seed(os_seed()):016x}"
-        folder = os.path.dirname(os.path.abspath(checkpoint))
+        if folder is None:
+            folder = os.path.dirname(os.path.abspath(checkpoint))
         engine.draw_ledger = DrawLedger(os.path.join(folder, ledger_name(lineage)), write=rank == 0)
     engine.record_progress()
 
 
 def ledger_file(state: dict, checkpoint: str) -> str | None:
-    """The saved ledger's file: beside the checkpoint, else where it was (None: no ledger)."""
+    """The saved ledger's file (None: no ledger).
+
+    Beside the checkpoint, else one folder up (a framework's run folder that holds its
+    checkpoint folders), else where it was written; beside the checkpoint where none exists.
+    """
     saved = state.get("ledger")
     if saved is None:
         return None
-    beside = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), os.path.basename(saved))
-    return beside if os.path.exists(beside) or not os.path.exists(saved) else saved
+    name = os.path.basename(saved)
+    beside_dir = os.path.dirname(os.path.abspath(checkpoint))
+    beside = os.path.join(beside_dir, name)
+    for path in (beside, os.path.join(os.path.dirname(beside_dir), name), saved):
+        if os.path.exists(path):
+            return path
+    return beside
 
 
 def resume_position(

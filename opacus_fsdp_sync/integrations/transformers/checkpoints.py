@@ -59,13 +59,16 @@ def save_dp_checkpoint(output_dir: str, session: DPSession) -> None:
     """Writes ``output_dir/dp``: shards of model and optimizer, each rank's DP state.
 
     Collective. The DP state holds the sampler's seed and the noise generators' states: keep
-    checkpoints as private as the data.
+    checkpoints as private as the data. The run's draw ledger goes to the folder that holds
+    ``output_dir`` (the Trainer's own ``output_dir``), not into a checkpoint folder that
+    ``save_total_limit`` deletes.
     """
     save_checkpoint(
         os.path.join(output_dir, DP_FOLDER),
         session.module,
         session.optimizer,
         engine=session.engine,
+        ledger_folder=os.path.dirname(os.path.abspath(output_dir)),
     )
 
 
