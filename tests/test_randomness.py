@@ -274,3 +274,24 @@ def test_the_draw_ledger_writes_on_after_its_folder_was_removed(tmp_path):
     shutil.rmtree(folder)
     ledger.record(LedgerPosition(handed_out=2, history=[[1.0, 0.1, 2]]))
     assert read_ledger(str(folder / "dp_draws_x.json")).steps == 2
+
+
+def test_fixed_batches_warn_that_the_epsilon_does_not_hold(caplog):
+    """``poisson_sampling=False`` (a test of something other than sampling): the accountant
+    still reports an epsilon, so the log says at WARNING, shown by default, that it does not
+    hold."""
+    model = _base()
+    data = TensorDataset(torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    with caplog.at_level(logging.WARNING):
+        PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(data, batch_size=4),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode="ghost",
+            poisson_sampling=False,
+        )
+    warned = [r for r in caplog.records if "does not hold" in r.getMessage()]
+    assert warned and all(r.levelno == logging.WARNING for r in warned)

@@ -51,6 +51,18 @@ def test_trains_and_reports_the_accountants_epsilon(tmp_path):
     assert "[Ghost] privacy: Not private" in stdout
 
 
+def test_fixed_batches_say_the_epsilon_does_not_hold(tmp_path):
+    """``--no-poisson-sampling`` (about the warnings, not the sampling): the run still prints an
+    epsilon, and warns beside it that it does not hold."""
+    summary, _, output = _train(
+        tmp_path, "--no-poisson-sampling", "--max-steps", "2", "--eval-every", "2", nproc=1
+    )
+    assert summary["privacy"]["poisson_sampling"] is False
+    done = output.index("[Ghost] done: epsilon")
+    assert "it does not hold for this run" in output[done:]  # beside the number
+    assert "fixed batches (poisson_sampling=False)" in output
+
+
 def test_same_seed_draws_other_batches_and_noise_unless_dp_seed(tmp_path):
     """``--seed`` decides the model and the split only; ``--dp-seed`` is the opt-in."""
     flags = ("--max-steps", "3", "--eval-every", "3", "--seed", "1")

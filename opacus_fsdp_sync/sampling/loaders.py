@@ -61,8 +61,8 @@ def dp_data_loader(
             batch_first=batch_first,
             rand_on_empty=rand_on_empty,
         )
-    if ghost:
-        logger.info(
+    if ghost:  # a warning: the accountant still reports an epsilon for this run
+        logger.warning(
             "[Ghost] sampling: fixed batches (poisson_sampling=False): the reported epsilon "
             "assumes Poisson sampling and does not hold for this run"
         )

@@ -286,6 +286,11 @@ def _finish(run: Run, progress: _Progress) -> dict:
             summary["examples_seen"],
             summary["wall_s"],
         )
+        if not cfg.poisson_sampling:
+            logger.warning(
+                "[Ghost] that epsilon assumes Poisson sampling, which this run turned off "
+                "(poisson_sampling=false): it does not hold for this run"
+            )
         _plot(run.out)
     return summary
 
