@@ -6,6 +6,7 @@ Poisson sampling is on (the trainer's default).
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -89,8 +90,17 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     _train(tmp_path / "b", *common)
     # steps 5-8 ran and were logged, then the run died before its step-8 checkpoint was written
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step000004")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed, rows_b, stdout = _train(tmp_path / "b", *common, "--resume")
     assert "resumed from" in stdout and "(4 metrics rows after it dropped)" in stdout
+    # the draw ledger knows the run went 4 steps past the checkpoint: the log says what a
+    # resume without fresh noise draws again
+    assert "went 4 step(s) further" in stdout and "--fresh-noise" in stdout
+    # with --fresh-noise those steps are counted (and drawn anew): nothing is left to run
+    fresh, _, fresh_out = _train(tmp_path / "c", *common, "--resume", "--fresh-noise")
+    assert "fresh_noise=True: every noise generator restarted" in fresh_out
+    assert "are drawn again" not in fresh_out and "the accountant counts them" in fresh_out
+    assert fresh["privacy"]["steps"] == 8 and fresh["epsilon"] == straight["epsilon"]
     assert [r["step"] for r in rows_b] == list(range(9))  # each step once
     later_a = [r for r in rows_a if r["step"] > 4]
     later_b = [r for r in rows_b if r["step"] > 4]

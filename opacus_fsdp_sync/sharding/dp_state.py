@@ -362,6 +362,7 @@ def resume_position(
     if steps_after_checkpoint is not None and steps_after_checkpoint < 0:
         raise ValueError(f"steps_after_checkpoint must be >= 0, got {steps_after_checkpoint}")
     if not fresh_noise:
+        _warn_if_it_went_further(state, checkpoint)
         return None
     rank, world = _rank_world()
     found = None
@@ -387,6 +388,29 @@ def resume_position(
             "checkpoint directory."
         )
     return max(candidates, key=lambda p: (p.steps, p.handed_out or 0))
+
+
+def _warn_if_it_went_further(state: dict, checkpoint: str) -> None:
+    """Warns (rank 0) where the ledger shows the saving run went past ``checkpoint``.
+
+    Resumed without ``fresh_noise``, those steps' draws and noise are drawn again: harmless
+    only if nothing computed after the checkpoint was released.
+    """
+    if _rank_world()[0] != 0:
+        return
+    path = ledger_file(state, checkpoint)
+    found = None if path is None else read_ledger(path)
+    beyond = 0 if found is None else found.steps - _saved_position(state).steps
+    if beyond > 0:
+        logger.warning(
+            "[Ghost] the run that saved this checkpoint went %d step(s) further (draw ledger "
+            "%s); resumed without fresh_noise, those steps' draws and noise are drawn again. "
+            "If anything computed after the checkpoint was released (an exported model, "
+            "metrics), resume with fresh_noise=True (the trainer's --fresh-noise): the "
+            "accountant counts those steps and new batches and noise are drawn",
+            beyond,
+            os.path.basename(path),
+        )
 
 
 def _saved_position(state: dict) -> LedgerPosition:

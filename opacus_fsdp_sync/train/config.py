@@ -113,6 +113,10 @@ class TrainConfig:
     export (``out/model``) is always written. 0: only the final one."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out``."""
+    fresh_noise: bool = False
+    """With ``resume``: restart every noise generator from OS entropy, count every step the
+    earlier run took after the checkpoint (the draw ledger) and draw new batches, for a run
+    whose outputs after the checkpoint (``save_every`` exports, metrics) may have been seen."""
     tensorboard: bool = False
     """Also write the train and held-out loss and epsilon to ``out/tensorboard`` (extra
     ``[tensorboard]``)."""
@@ -125,6 +129,8 @@ class TrainConfig:
     """Train into an ``out`` that holds an earlier run (its files are replaced)."""
 
     def __post_init__(self) -> None:
+        if self.fresh_noise and not self.resume:
+            raise ValueError("fresh_noise=True restarts the noise of a resume: pass --resume too")
         if self.model_path is None and self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}: choose one of {sorted(PRESETS)}")
         for name, choice in (

@@ -190,7 +190,9 @@ def resume(run: Run) -> None:
         logger.warning("[Ghost] --resume: no checkpoint in %s; starting afresh", run.out)
     if latest is None:
         return
-    load_checkpoint(str(latest), run.gsm, run.opt, engine=run.engine)
+    load_checkpoint(
+        str(latest), run.gsm, run.opt, engine=run.engine, fresh_noise=run.cfg.fresh_noise
+    )
     run.step = steps_taken(run.engine)
     saved = load_run_state(latest, scheduler=run.scheduler)
     run.seen_before, run.wall_before = saved["examples_seen"], saved["wall_s"]
