@@ -80,6 +80,27 @@ def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
     )
 
 
+def _check_sample_count(coeff: torch.Tensor, loss_per_sample: torch.Tensor) -> None:
+    """Refuses clipping coefficients for another number of samples than the loss has.
+
+    The hooks take a layer's first dimension for the samples. A layer that sees the batch
+    merged with other dimensions (``x.reshape(B * T, d)`` before a ``Linear``) or not first
+    (time-first inputs without ``batch_first=False``) gives a norm per row instead: the one
+    backward would clip rows, not samples, without an error.
+
+    Raises:
+        ValueError: naming both counts and what to change.
+    """
+    if coeff.shape[0] != loss_per_sample.shape[0]:
+        raise ValueError(
+            f"opacus_fsdp_sync: the per-sample norms cover {coeff.shape[0]} rows but the loss "
+            f"has {loss_per_sample.shape[0]} samples. A trainable layer sees the batch "
+            "dimension merged with another (e.g. x.reshape(B * T, d) before a Linear) or not "
+            "first (time-first inputs need batch_first=False in make_private). Keep the "
+            "samples as the first, separate dimension of every trainable layer's input."
+        )
+
+
 @dataclass
 class _StepPath:
     """What :meth:`SyncDPTensor._choose_path` decided for one step."""
@@ -270,6 +291,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             # so a parameter this step did not use still gets its noise.
             self.optimizer.zero_grad(set_to_none=self.context.optimizer_ops.accepts_none_grads)
             coeff = hooks.get_clipping_coef()
+            _check_sample_count(coeff, self.loss_per_sample)
             if one:
                 # No hook may fire here: the generic path re-runs layers on their kept inputs.
                 hooks.disable_hooks()

@@ -192,7 +192,23 @@ class LinearRoom(LayerRoom):
     """``nn.Linear``: see the module. The norm is Opacus's unless fast norms replace it."""
 
     name = "linear"
-    norm = staticmethod(GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Linear])
+
+    @staticmethod
+    def norm(layer, activations, backprops):
+        """Opacus's ``Linear`` norm (``fast_norms=False``), its inputs flattened to three dims.
+
+        Upstream computes nothing for inputs of four or more dimensions (``(N, H, T, d)``),
+        and such a layer then counted as zero in the flat norm: its samples were clipped too
+        little. Flattened to ``(N, H T, d)`` it is the same per-sample gradient, and inputs of
+        two or three dimensions reach upstream as they are (its numbers, bit for bit).
+        """
+        upstream = GradSampleHooksFastGradientClipping.NORM_SAMPLERS[nn.Linear]
+        a = activations[0]
+        if a.dim() > 3:
+            a = a.reshape(a.shape[0], math.prod(a.shape[1:-1]), a.shape[-1])
+            backprops = backprops.reshape(a.shape[0], a.shape[1], backprops.shape[-1])
+            activations = [a, *activations[1:]]
+        return upstream(layer, activations, backprops)
 
     def per_sample_grad(self, layer, activations, backprops):
         """``G_n^T A_n`` per sample (inputs of any rank, flattened to ``(N, T, d)``)."""

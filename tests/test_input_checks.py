@@ -1,0 +1,84 @@
+"""Inputs the engine cannot clip per sample are refused with a clear error, never clipped wrong.
+
+One device, fixed batches (``poisson_sampling=False``: these tests are about the model's shape
+of input, not about sampling).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from opacus_fsdp_sync import PrivacyEngine
+from tests.private import make_private
+
+B, T, D, K, C = 4, 5, 6, 5, 0.05
+
+
+class FlatTokens(nn.Module):
+    """Its first ``Linear`` sees the batch merged with the tokens: ``(B * T, d)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(D, 8), nn.Linear(8, K)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        return self.o(torch.tanh(self.a(x.reshape(b * t, d)))).view(b, t, K)
+
+
+@pytest.mark.parametrize("options", [{}, {"one_backward": False}], ids=["one", "two_pass"])
+def test_a_layer_that_merges_the_batch_with_the_tokens_is_refused(options):
+    """Per-sample norms per row (B * T of them): the one backward clipped each token as a sample
+    without an error (up to 127 % off the clip-each-sample loop), two passes failed on a shape
+    mismatch; both now say what to change, and leave no gradient behind."""
+    torch.manual_seed(0)
+    model = FlatTokens()
+    x, y = torch.randn(B, T, D), torch.randint(0, K, (B, T))
+    gsm, opt, crit, _ = make_private(PrivacyEngine(**options), model, (x, y), B, C, "ghost", lr=1.0)
+    loss = crit(gsm(x).reshape(-1, K), y.reshape(-1), shape=(B, T))
+    with pytest.raises(ValueError, match=r"per-sample norms cover 20 rows but the loss has 4"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+class FourDims(nn.Module):
+    """Two ``Linear`` layers on ``(B, H, T, d)`` inputs, then one on ``(B, T, d)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.h = nn.Linear(D, 7), nn.Linear(7, K, bias=False), nn.Linear(K, K)
+
+    def forward(self, x):
+        return self.h(self.b(torch.tanh(self.a(x))).mean(1))
+
+
+def _sample_loss(model, x, y):
+    return nn.functional.cross_entropy(model(x).reshape(-1, K), y.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"one_backward": False, "fast_norms": False}, {"sync_optimization": False}],
+    ids=["default", "upstream_norms", "upstream"],
+)
+def test_linear_layers_on_four_dimensional_inputs_match_the_clip_each_sample_loop(options):
+    """Opacus's own ``Linear`` norm (``fast_norms=False``, and upstream's step) computed none
+    for inputs of four dimensions: those layers counted as zero in the flat norm (44 % off the
+    loop); their inputs are now flattened to three."""
+    from opacus_fsdp_sync.testing import per_sample_clipped_grads
+
+    torch.manual_seed(0)
+    model = FourDims()
+    x, y = torch.randn(B, 3, T, D), torch.randint(0, K, (B, T))
+    ref, norms = per_sample_clipped_grads(copy.deepcopy(model), _sample_loss, x, y, C)
+    assert (norms > C).all()  # clipping active for every sample
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gsm, opt, crit, _ = make_private(PrivacyEngine(**options), model, (x, y), B, C, "ghost", lr=1.0)
+    crit(gsm(x).reshape(-1, K), y.reshape(-1), shape=(B, T)).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-4, atol=1e-6)
