@@ -231,7 +231,8 @@ def test_the_draw_ledger_outlives_the_checkpoints_save_total_limit_deletes(tmp_p
     output folder: in the first checkpoint folder, it went with that folder and the next
     ledger write raised ``FileNotFoundError`` mid-training."""
     from opacus_fsdp_sync.sampling.ledger import read_ledger
-    from opacus_fsdp_sync.sharding.dp_state import dp_state_path, ledger_file
+    from opacus_fsdp_sync.sharding.dp_state import dp_state_path
+    from opacus_fsdp_sync.sharding.resume_position import ledger_file
 
     trainer = _trainer(
         tmp_path,

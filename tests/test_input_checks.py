@@ -82,3 +82,55 @@ def test_linear_layers_on_four_dimensional_inputs_match_the_clip_each_sample_loo
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-4, atol=1e-6)
+
+
+class Tokens(nn.Module):
+    def __init__(self, **embedding) -> None:
+        super().__init__()
+        self.e, self.o = nn.Embedding(11, D, **embedding), nn.Linear(D, K)
+
+    def forward(self, ids):
+        return self.o(self.e(ids))
+
+
+def test_an_embedding_that_scales_by_token_frequency_is_refused_before_anything_is_wrapped():
+    """``scale_grad_by_freq=True`` divides by counts over the batch: every path, upstream's too,
+    was up to 69 % off the clip-each-sample loop."""
+    from opacus_fsdp_sync.errors import UnsupportedConfigurationError
+
+    model = Tokens(scale_grad_by_freq=True)
+    ids, y = torch.randint(0, 11, (B, T)), torch.randint(0, K, (B, T))
+    with pytest.raises(UnsupportedConfigurationError, match=r"e: nn.Embedding\(scale_grad_by"):
+        make_private(PrivacyEngine(), model, (ids, y), B, C, "ghost")
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("two_dims", [True, False], ids=["2d", "3d"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"one_backward": False}, {"sync_optimization": False}],
+    ids=["default", "two_pass", "upstream"],
+)
+def test_a_layer_norm_without_bias_matches_the_clip_each_sample_loop(options, two_dims):
+    """Opacus's LayerNorm per-sample gradient read ``layer.bias.requires_grad`` and failed on
+    ``LayerNorm(bias=False)``; and the room's per-sample sums of a two-dimensional input summed
+    the batch too (``t.sum(())`` sums every dimension)."""
+    from opacus_fsdp_sync.testing import per_sample_clipped_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.LayerNorm(8, bias=False), nn.Linear(8, K))
+    shape = (B, D) if two_dims else (B, T, D)
+    x, y = torch.randn(*shape), torch.randint(0, K, shape[:-1])
+
+    def sample_loss(m, xs, ys):
+        return nn.functional.cross_entropy(m(xs).reshape(-1, K), ys.reshape(-1))
+
+    ref, norms = per_sample_clipped_grads(copy.deepcopy(model), sample_loss, x, y, C)
+    assert (norms > C).all()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gsm, opt, crit, _ = make_private(PrivacyEngine(**options), model, (x, y), B, C, "ghost", lr=1.0)
+    out = gsm(x).reshape(-1, K)
+    (crit(out, y) if two_dims else crit(out, y.reshape(-1), shape=(B, T))).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-4, atol=1e-6)

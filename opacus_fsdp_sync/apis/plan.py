@@ -19,6 +19,7 @@ from ..distributed.detect import _unwrap
 from ..distributed.layout import Layout, check_layout, check_parallelism, detect_layout
 from ..distributed.tensor_parallel import check_secure_mode
 from ..errors import UnsupportedConfigurationError
+from ..layers.registry import refusals
 from ..options import GhostOptions
 from .api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
 from .registry import Detected, detect_api
@@ -78,6 +79,11 @@ def plan_call(kwargs: dict, opts: GhostOptions, *, secure_mode: bool) -> CallPla
     module = kwargs["module"]
     found = detect_api(module)
     check_layout(_unwrap(module), found)
+    refused = refusals(_unwrap(module))
+    if refused:
+        raise UnsupportedConfigurationError(
+            "layers whose gradient cannot be clipped per sample: " + "; ".join(refused)
+        )
     layout = detect_layout(_unwrap(module))
     factory = found.record.plan_optimizer(  # raises for what the API cannot run
         found.modules,

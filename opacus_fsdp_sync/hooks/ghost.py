@@ -36,6 +36,7 @@ from ..distributed.tensor_parallel import on_tp_mesh
 from ..layers import norm_samplers
 from ..layers.linear import GramCache, LinearRoom
 from ..layers.norms import rms_norm_types, saved_normalized
+from ..layers.registry import room_named
 from .contract import KeptLayer, OpacusStepHooks, StepHooks, reset_opacus_step_state
 from .first_pass import PassTrackingMixin
 from .kept import estimate, linear_per_sample_bytes
@@ -45,6 +46,23 @@ from .replay import ReplayMixin
 from .step_norms import StepNormsMixin
 from .tensor_parallel import TensorParallelMixin
 from .tied import TiedNormMixin
+
+
+def _bias_optional(upstream):
+    """Opacus's ``LayerNorm`` per-sample gradient, or the room's where the layer has no bias.
+
+    Upstream reads ``layer.bias.requires_grad`` and fails on ``LayerNorm(bias=False)``; such a
+    layer takes :class:`~..layers.norms.LayerNormRoom`'s formula (the same sums), every other
+    keeps upstream's (its numbers, bit for bit).
+    """
+
+    def grad_sampler(layer, activations, backprops):
+        if layer.bias is not None:
+            return upstream(layer, activations, backprops)
+        grads = room_named("layer_norm").per_sample_grad(layer, activations, backprops)
+        return {layer.weight: grads["weight"]} if "weight" in grads else {}
+
+    return grad_sampler
 
 
 class _Ours(
@@ -73,6 +91,11 @@ class _Ours(
         self.NORM_SAMPLERS = {
             **GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
             **norm_samplers(m),
+        }
+        # LayerNorm(bias=False): upstream's per-sample gradient reads the bias (a crash)
+        self.GRAD_SAMPLERS = {
+            t: _bias_optional(f) if issubclass(t, nn.LayerNorm) else f
+            for t, f in self.GRAD_SAMPLERS.items()
         }
         #: Layer types whose norm is the RMSNorm room's (:meth:`_keep_normalized`).
         self._rms_types = frozenset(rms_norm_types(m))

@@ -344,8 +344,9 @@ def rms_norm_samplers(model: nn.Module) -> dict[type, object]:
     return {c: room.norm for c in rms_norm_types(model)}
 
 
-def _dims_but_batch(grad_out: torch.Tensor, trailing: int) -> tuple[int, ...]:
-    return tuple(range(1, grad_out.dim() - trailing))
+def _sum_but_batch(t: torch.Tensor, trailing: int) -> torch.Tensor:
+    dims = tuple(range(1, t.dim() - trailing))
+    return t.sum(dims) if dims else t  # t.sum(()) would sum every dimension
 
 
 @register_layer(nn.LayerNorm)
@@ -361,12 +362,12 @@ class LayerNormRoom(LayerRoom):
     def per_sample_grad(self, layer, activations, backprops):
         """Per-sample sums over the positions of ``dy * xhat`` (weight) and ``dy`` (bias)."""
         xhat = F.layer_norm(activations[0], layer.normalized_shape, None, None, layer.eps)
-        dims = _dims_but_batch(backprops, len(layer.normalized_shape))
+        trailing = len(layer.normalized_shape)
         out = {}
         if layer.weight is not None and layer.weight.requires_grad:
-            out["weight"] = (backprops * xhat).sum(dims)
+            out["weight"] = _sum_but_batch(backprops * xhat, trailing)
         if layer.bias is not None and layer.bias.requires_grad:
-            out["bias"] = backprops.sum(dims)
+            out["bias"] = _sum_but_batch(backprops, trailing)
         return out
 
     def clipped_grad(self, layer, inputs, grad_out, scale):

@@ -69,6 +69,10 @@ class LayerRoom:
     #: split over along the tokens) and sum the per-sample and clipped gradients over it.
     sums_sequence_shards: bool = False
 
+    def refusal(self, layer: nn.Module) -> str | None:
+        """Why the room cannot clip ``layer``'s gradient per sample (None: it can)."""
+        return None
+
     def matches(self, module: nn.Module, module_type: type) -> bool:
         """Whether this room computes ``module`` (rooms registered with ``match=``)."""
         return True
@@ -236,3 +240,14 @@ def norm_samplers(model: nn.Module) -> dict:
         if room.norm:
             table.update({t: room.norm for t in room.types_in(model)})
     return table
+
+
+def refusals(model: nn.Module) -> list[str]:
+    """``"name: why"`` for each layer with trainable parameters that its room refuses."""
+    out = []
+    for name, module in model.named_modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            why = room_for(module).refusal(module)
+            if why is not None:
+                out.append(f"{name or type(module).__name__}: {why}")
+    return out

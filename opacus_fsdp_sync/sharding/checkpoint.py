@@ -16,6 +16,7 @@ from torch import nn
 
 from ..distributed.detect import _unwrap
 from . import dp_state as state_module
+from . import resume_position as positions
 
 
 def _targets(model, optimizer):
@@ -59,7 +60,7 @@ def save_checkpoint(
         if optimizer is None:
             raise ValueError("save_checkpoint(engine=...) needs the DP optimizer too")
         os.makedirs(path, exist_ok=True)
-        state_module.start_ledger(engine, path, ledger_folder)
+        positions.start_ledger(engine, path, ledger_folder)
         dp = state_module.dp_state(engine, optimizer)
         dp["optimizer_steps"] = engine.optimizer_steps
         torch.save(dp, state_module.dp_state_path(path, dp["rank"]))
@@ -110,7 +111,7 @@ def load_checkpoint(
     resume_at = None
     if dp is not None:  # refused before anything is loaded
         state_module.check_dp_state(dp, engine, optimizer, fresh_noise=fresh_noise)
-        resume_at = state_module.resume_position(
+        resume_at = positions.resume_position(
             dp, path, fresh_noise=fresh_noise, steps_after_checkpoint=steps_after_checkpoint
         )
     if optim is None:
@@ -129,7 +130,7 @@ def load_checkpoint(
             optimizer,
             fresh_noise=fresh_noise,
             resume_at=resume_at,
-            ledger=state_module.ledger_file(dp, path),
+            ledger=positions.ledger_file(dp, path),
         )
         # steps taken before the checkpoint (absent from checkpoints of earlier releases)
         engine.optimizer_steps = dp.get("optimizer_steps", engine.optimizer_steps)
