@@ -1,4 +1,5 @@
-"""Inputs the engine cannot clip per sample are refused with a clear error, never clipped wrong.
+"""Inputs at the edges: refused with a clear error where they cannot be clipped per sample,
+else equal to the clip-each-sample loop, never clipped wrong.
 
 One device, fixed batches (``poisson_sampling=False``: these tests are about the model's shape
 of input, not about sampling).
@@ -134,3 +135,36 @@ def test_a_layer_norm_without_bias_matches_the_clip_each_sample_loop(options, tw
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-4, atol=1e-6)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.up, self.down = nn.Linear(D, 8), nn.Linear(D, 16), nn.Linear(16, K)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x))) + self.q(x)[..., :K]
+
+
+@pytest.mark.parametrize("per_sample_grads", ["auto", True, False])
+def test_an_fp64_model_is_clipped_to_fp64_precision(per_sample_grads):
+    """fp64: per-sample gradient norms were taken in fp32 (``vector_norm`` refused to narrow,
+    a crash), and the one backward's coefficients were fp32 (1e-8 off the loop)."""
+    from opacus_fsdp_sync.testing import per_sample_clipped_grads
+
+    torch.manual_seed(0)
+    model = Block().double()
+    x, y = torch.randn(B, 130, D, dtype=torch.float64), torch.randint(0, K, (B, 130))
+
+    def sample_loss(m, xs, ys):
+        return nn.functional.cross_entropy(m(xs).reshape(-1, K), ys.reshape(-1))
+
+    ref, norms = per_sample_clipped_grads(copy.deepcopy(model), sample_loss, x, y, C)
+    assert (norms > C).all()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = PrivacyEngine(per_sample_grads=per_sample_grads)
+    gsm, opt, crit, _ = make_private(engine, model, (x, y), B, C, "ghost", lr=1.0)
+    crit(gsm(x).reshape(-1, K), y.reshape(-1), shape=(B, 130)).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-12, atol=1e-15)

@@ -58,8 +58,8 @@ from .registry import LayerRoom, register_layer, scale_rows
 def clipped_sum(psgs: dict[str, torch.Tensor], scale: torch.Tensor) -> dict[str, torch.Tensor]:
     """``sum_n scale_n psg_n`` per parameter, in the psg dtype.
 
-    fp32: one matrix-vector product. Lower precision: the fp32 coefficients are split into a
-    high and a low part in that dtype (``hi + lo`` carries about 16 significant bits), so two
+    fp32 and fp64: one matrix-vector product. Lower precision: the fp32 coefficients are split
+    into a high and a low part in that dtype (``hi + lo`` carries about 16 significant bits), so two
     products of the stored per-sample gradients replace converting them to fp32; each product
     accumulates in fp32 and the result has the dtype's own rounding, as a batched matmul would.
     """
@@ -67,8 +67,8 @@ def clipped_sum(psgs: dict[str, torch.Tensor], scale: torch.Tensor) -> dict[str,
     for name, t in psgs.items():
         flat = t.flatten(1)
         row = scale.view(1, -1)
-        if flat.dtype == torch.float32:
-            res = row @ flat
+        if flat.dtype in (torch.float32, torch.float64):
+            res = row.to(flat.dtype) @ flat
         else:
             hi = row.to(flat.dtype)
             lo = (row - hi.float()).to(flat.dtype)

@@ -364,9 +364,11 @@ def linear_per_sample_grads(
 
 
 def per_sample_norms(psgs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each parameter's per-sample gradient norm, accumulated in fp32."""
+    """Each parameter's per-sample gradient norm, accumulated in fp32 (fp64 for fp64)."""
     return {
-        name: torch.linalg.vector_norm(t.flatten(1), dim=1, dtype=torch.float32)
+        name: torch.linalg.vector_norm(
+            t.flatten(1), dim=1, dtype=torch.promote_types(t.dtype, torch.float32)
+        )
         for name, t in psgs.items()
     }
 

@@ -59,10 +59,15 @@ def clipped_gradients(
     scales: dict[tuple, torch.Tensor] = {}
 
     def scale_for(t: torch.Tensor) -> torch.Tensor:
-        """``coef`` in fp32 on ``t``'s device, times the batch size for a mean loss."""
-        key = (t.device, t.shape[0])
+        """``coef`` on ``t``'s device, times the batch size for a mean loss.
+
+        In fp32, or fp64 for fp64 tensors (fp32 coefficients left an fp64 model's clipped
+        gradients at fp32 precision, 1e-8 off the clip-each-sample loop).
+        """
+        wide = torch.promote_types(t.dtype, torch.float32)
+        key = (t.device, t.shape[0], wide)
         if key not in scales:
-            scale = coef.to(device=t.device, dtype=torch.float32)
+            scale = coef.to(device=t.device, dtype=wide)
             scales[key] = scale * t.shape[0] if loss_reduction == "mean" else scale
         return scales[key]
 
