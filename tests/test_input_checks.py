@@ -168,3 +168,21 @@ def test_an_fp64_model_is_clipped_to_fp64_precision(per_sample_grads):
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-12, atol=1e-15)
+
+
+def test_a_layer_called_twice_in_one_forward_is_refused_saying_so():
+    """Upstream's message spoke of parameter tying only."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.h = nn.Linear(D, D), nn.Linear(D, K)
+
+        def forward(self, x):
+            return self.h(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+    model = Twice()
+    x, y = torch.randn(B, D), torch.randint(0, K, (B,))
+    gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (x, y), B, C, "ghost")
+    with pytest.raises(NotImplementedError, match="Linear is called twice in one forward"):
+        crit(gsm(x), y).backward()

@@ -49,12 +49,7 @@ from .tied import TiedNormMixin
 
 
 def _bias_optional(upstream):
-    """Opacus's ``LayerNorm`` per-sample gradient, or the room's where the layer has no bias.
-
-    Upstream reads ``layer.bias.requires_grad`` and fails on ``LayerNorm(bias=False)``; such a
-    layer takes :class:`~..layers.norms.LayerNormRoom`'s formula (the same sums), every other
-    keeps upstream's (its numbers, bit for bit).
-    """
+    """Opacus's ``LayerNorm`` per-sample gradient; the room's same sums where it fails (no bias)."""
 
     def grad_sampler(layer, activations, backprops):
         if layer.bias is not None:
@@ -262,7 +257,16 @@ class _Ours(
             return output if output is not forward_output else None
         acts = captured_activations(module)
         before = len(acts) if acts else 0
-        result = self._capture(module, forward_input, output)
+        try:
+            result = self._capture(module, forward_input, output)
+        except NotImplementedError as err:  # upstream's message speaks of tied parameters only
+            if "Parameter tying" not in str(err):
+                raise
+            raise NotImplementedError(
+                f"{type(module).__name__} is called twice in one forward, or shares a parameter "
+                "outside tied embeddings (which are supported): ghost clipping needs one call "
+                "per hooked layer and forward. Use a separate layer for each call."
+            ) from err
         acts = captured_activations(module)
         self.hook_output(module, output, captured=bool(acts) and len(acts) > before)
         return output if output is not forward_output else result
