@@ -48,7 +48,7 @@ def test_dp_seed_is_refused_with_secure_mode_and_must_be_an_int():
         PrivacyEngine(dp_seed="1")
 
 
-def _one_device(n: int = 40, batch: int = 4, num_workers: int = 0):
+def _one_device(n: int = 40, batch: int = 4, num_workers: int = 0, **loader):
     """A one-device model made private with the shared sampler; x[:, 0] is the example index."""
     x = torch.randn(n, 32)
     x[:, 0] = torch.arange(n, dtype=torch.float)
@@ -59,7 +59,7 @@ def _one_device(n: int = 40, batch: int = 4, num_workers: int = 0):
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(data, batch_size=batch, num_workers=num_workers),
+        data_loader=DataLoader(data, batch_size=batch, num_workers=num_workers, **loader),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         grad_sample_mode="ghost",
@@ -111,15 +111,18 @@ def test_a_second_step_on_one_draw_counts_again_and_warns(caplog):
     assert _steps_counted(engine) == 2 and engine.sampler.handed_out == 1
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
 @pytest.mark.parametrize("physical", [None, 2])
-def test_loader_workers_fetching_ahead_count_each_draw_once(caplog, physical):
+def test_loader_workers_fetching_ahead_count_each_draw_once(caplog, physical, persistent):
     """Worker processes fetch draws before the loop takes them: every step (one per draw) is
     still counted once and none is taken for a second step on its draw (with them, the last
     steps of each epoch were counted twice, with a warning each), whole draws or in physical
     batches; a real second step on a draw still counts again."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    engine, gsm, opt, crit, loader = _one_device(n=48, batch=4, num_workers=2)
+    engine, gsm, opt, crit, loader = _one_device(
+        n=48, batch=4, num_workers=2, persistent_workers=persistent
+    )
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
             if physical is None:
@@ -295,3 +298,19 @@ def test_fixed_batches_warn_that_the_epsilon_does_not_hold(caplog):
         )
     warned = [r for r in caplog.records if "does not hold" in r.getMessage()]
     assert warned and all(r.levelno == logging.WARNING for r in warned)
+
+
+def test_a_checkpoint_loaded_while_workers_fetch_ahead_counts_on_from_its_position():
+    """Loading a sampler's state resets what the loop was given; a live iterator counts on
+    from the loaded position (it raised a TypeError on the reset count)."""
+    from opacus_fsdp_sync.sampling import SharedPoissonSampler
+    from opacus_fsdp_sync.sampling.delivery import count_delivered
+
+    sampler = SharedPoissonSampler(num_samples=20, sample_rate=0.2, steps=5, seed=3)
+    batches = count_delivered(lambda: iter(sampler), sampler, lambda: True)
+    next(batches)
+    assert sampler.delivered == 1
+    sampler.load_state_dict(sampler.state_dict() | {"handed_out": 3})
+    assert sampler.delivered is None
+    next(batches)
+    assert sampler.delivered == sampler.handed_out == 4

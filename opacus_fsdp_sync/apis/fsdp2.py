@@ -294,8 +294,9 @@ def _refuse_secure_replicas(modules: list[nn.Module]) -> None:
     """Refuses ``secure_mode`` where ranks hold the same coordinates (each would noise its own).
 
     Opacus's secure optimizer draws from ``/dev/urandom`` on each rank, so the replicas of a
-    coordinate would add different noise: they drift apart, and each one's update averages
-    the others' independent noise, less than the accountant's.
+    coordinate would add different noise and drift apart: each next gradient, averaged over
+    the replicas, comes from models that differ, which the accountant's one noised update per
+    step does not describe.
     """
     replicated = replicated_parameters(modules)
     if replicated:

@@ -263,9 +263,10 @@ class _Ours(
             if "Parameter tying" not in str(err):
                 raise
             raise NotImplementedError(
-                f"{type(module).__name__} is called twice in one forward, or shares a parameter "
-                "outside tied embeddings (which are supported): ghost clipping needs one call "
-                "per hooked layer and forward. Use a separate layer for each call."
+                f"{type(module).__name__} ran twice before a backward: called twice in one "
+                "forward, two forwards before one backward, or a forward whose loss never went "
+                "backward. Ghost clipping needs one call per hooked layer and backward: use a "
+                "separate layer for each call (weights shared between layers are supported)."
             ) from err
         acts = captured_activations(module)
         self.hook_output(module, output, captured=bool(acts) and len(acts) > before)

@@ -43,6 +43,7 @@ from .registry import (
     LayerRoom,
     Unavailable,
     keep_per_sample,
+    layer_type,
     register_layer,
     room_named,
     scale_rows,
@@ -62,14 +63,6 @@ _VERDICTS: dict[type, bool] = {}
 _SAVES_XHAT: dict[type, bool] = {}
 #: The normalised inputs taken from forward graphs (:func:`saved_normalized`), by memory address.
 _NORMALIZED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def layer_type(module: nn.Module) -> type:
-    """The layer's own class (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
-    cls = type(module)
-    if cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:
-        return cls.__bases__[1]
-    return cls
 
 
 def epsilon(layer: nn.Module) -> float | None:

@@ -100,9 +100,10 @@ class LayerRoom:
             layer: The layer.
             inputs: Its kept inputs.
             grad_out: Its output gradient ``b`` (batch first), unscaled.
-            scale: ``(N,)`` fp32: sample n's factor ``c_n`` (clipping coefficient, times the
-                batch size for a mean loss). A room applies it to the narrowest operand it can
-                (:func:`scale_rows`), never to more than the output gradient.
+            scale: ``(N,)`` fp32 (fp64 for fp64 tensors): sample n's factor ``c_n`` (clipping
+                coefficient, times the batch size for a mean loss). A room applies it to the
+                narrowest operand it can (:func:`scale_rows`), never to more than the output
+                gradient.
         """
         raise NotImplementedError
 
@@ -125,7 +126,8 @@ class LayerRoom:
 def scale_rows(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None):
     """``t`` with row n (along dim 0) multiplied by ``scale[n]``, in ``dtype`` (default ``t``'s).
 
-    One kernel: the product is formed in fp32 and rounded once to ``dtype``; on CUDA a Triton
+    One kernel: the product is formed in fp32 (fp64 for fp64 operands) and rounded once to
+    ``dtype``; on CUDA a Triton
     kernel that computes the same bits (:func:`.kernels.rows.scale_rows_kernel`: torch's
     broadcast, casting multiply is not vectorised there).
     """
@@ -242,12 +244,20 @@ def norm_samplers(model: nn.Module) -> dict:
     return table
 
 
+def layer_type(module: nn.Module) -> type:
+    """The layer's own class (FSDP2's ``FSDP<Class>`` mapped back to ``<Class>``)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:
+        return cls.__bases__[1]
+    return cls
+
+
 def refusals(model: nn.Module) -> list[str]:
     """``"name: why"`` for each layer with trainable parameters that its room refuses."""
     out = []
     for name, module in model.named_modules():
         if any(p.requires_grad for p in module.parameters(recurse=False)):
-            why = room_for(module).refusal(module)
+            why = room_for(module, layer_type(module)).refusal(module)
             if why is not None:
                 out.append(f"{name or type(module).__name__}: {why}")
     return out

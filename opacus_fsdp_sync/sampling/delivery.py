@@ -37,6 +37,9 @@ def count_delivered(
     # fetched draws were counted by the accountant and are never used
     sampler.delivered = sampler.handed_out
     for batch in batches():
-        if ends_draw():
+        ends = ends_draw()
+        if sampler.delivered is None:  # a checkpoint loaded meanwhile: every draw handed out
+            sampler.delivered = sampler.handed_out  # since then, this batch's included
+        elif ends:
             sampler.delivered += 1
         yield batch
