@@ -96,11 +96,21 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     # the draw ledger knows the run went 4 steps past the checkpoint: the log says what a
     # resume without fresh noise draws again
     assert "went 4 step(s) further" in stdout and "--fresh-noise" in stdout
-    # with --fresh-noise those steps are counted (and drawn anew): nothing is left to run
-    fresh, _, fresh_out = _train(tmp_path / "c", *common, "--resume", "--fresh-noise")
+    # with --fresh-noise those steps are counted, and steps 5-8 are taken again from the
+    # checkpoint's schedule with new draws and noise: 12 steps counted for 8 taken
+    fresh, rows_c, fresh_out = _train(tmp_path / "c", *common, "--resume", "--fresh-noise")
     assert "fresh_noise=True: every noise generator restarted" in fresh_out
     assert "are drawn again" not in fresh_out and "the accountant counts them" in fresh_out
-    assert fresh["privacy"]["steps"] == 8 and fresh["epsilon"] == straight["epsilon"]
+    assert fresh["steps"] == 8 and fresh["privacy"]["steps"] == 12
+    assert fresh["epsilon"] > straight["epsilon"]
+    assert [r["step"] for r in rows_c] == list(range(9))  # each step once
+    import torch
+
+    def schedule(run):  # the learning-rate schedule saved with the run's step-8 checkpoint
+        state = torch.load(tmp_path / run / "checkpoints" / "step000008" / "trainer_state.pt")
+        return state["scheduler"]["last_epoch"], state["scheduler"]["_last_lr"]
+
+    assert schedule("c") == schedule("a")  # steps 5-8 ran on the uninterrupted schedule
     assert [r["step"] for r in rows_b] == list(range(9))  # each step once
     later_a = [r for r in rows_a if r["step"] > 4]
     later_b = [r for r in rows_b if r["step"] > 4]

@@ -49,6 +49,12 @@ def truncate_metrics(metrics: Path, step: int) -> int:
 _STEP_DIR = re.compile(r"step(\d+)")
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The logical step a checkpoint directory ``stepNNNNNN`` was saved at (None: another name)."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return None if match is None else int(match.group(1))
+
+
 def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
     """Deletes all but the ``keep`` newest checkpoints up to the one ``latest`` names.
 

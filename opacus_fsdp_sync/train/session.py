@@ -27,7 +27,7 @@ from .export import export
 from .model import base_path, build_model, load_tokenizer, shard
 from .optim import build_optimizer, build_scheduler
 from .privacy import guarantee, noise_for_target, plan_steps, privacy_unit
-from .run_state import load_run_state, truncate_metrics
+from .run_state import checkpoint_step, load_run_state, truncate_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Run:
             accountant=self.engine.accountant.mechanism(),
             noise=self.opt.noise_multiplier,
             plan=self.plan,
-            steps=self.step,
+            steps=steps_taken(self.engine),  # the accountant's: a fresh-noise resume counts more
         )
         export(
             path,
@@ -194,6 +194,11 @@ def resume(run: Run) -> None:
         str(latest), run.gsm, run.opt, engine=run.engine, fresh_noise=run.cfg.fresh_noise
     )
     run.step = steps_taken(run.engine)
+    saved_at = checkpoint_step(latest)
+    if run.cfg.fresh_noise and saved_at is not None:
+        # the accountant also counts the steps the earlier run took after the checkpoint; the
+        # run goes on from the checkpoint's step, with its schedule (taken again, drawn anew)
+        run.step = saved_at
     saved = load_run_state(latest, scheduler=run.scheduler)
     run.seen_before, run.wall_before = saved["examples_seen"], saved["wall_s"]
     dropped = truncate_metrics(run.out / "metrics.jsonl", run.step) if run.rank == 0 else 0
