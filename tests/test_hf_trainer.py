@@ -181,7 +181,7 @@ def test_refused_samplers_losses_and_data(tmp_path):
         DPArguments(target_epsilon=8.0, noise_multiplier=1.0)
 
 
-def _resume_run(out, resume=None):
+def _resume_run(out, resume=None, **dp):
     trainer = DPTrainer(
         model=tiny_llama(0),
         # AdamW on a linear schedule: optimizer and schedule state to restore
@@ -202,6 +202,7 @@ def _resume_run(out, resume=None):
             logical_batch_size=8,
             max_physical_batch_size=3,
             dp_seed=5,  # the resumed run must draw what the uninterrupted one drew
+            **dp,
         ),
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -224,6 +225,27 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
         return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
     assert losses(resumed) == losses(straight)  # the saved history, then steps 3 and 4
+
+
+def test_a_fresh_noise_resume_counts_the_steps_taken_after_the_checkpoint(tmp_path, caplog):
+    """Resumed from step 2 of a run that went to 4: without fresh noise the log says steps 3-4
+    are drawn again; with ``DPArguments(fresh_noise=True)`` the accountant counts them (the
+    draw ledger in the first run's ``output_dir``) and the two steps taken again: 6 counted."""
+    import logging
+
+    straight = _resume_run(tmp_path / "a")
+    checkpoint = str(tmp_path / "a" / "checkpoint-2")
+    with caplog.at_level(logging.WARNING):
+        _resume_run(tmp_path / "b", resume=checkpoint)
+    assert "went 2 step(s) further" in caplog.text and "fresh_noise=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fresh = _resume_run(tmp_path / "c", resume=checkpoint, fresh_noise=True)
+    assert "are drawn again" not in caplog.text
+    assert fresh.state.global_step == 4
+    assert fresh.dp_session.steps_counted == 6 and fresh.epsilon > straight.epsilon
+    with pytest.raises(ValueError, match="with fresh_noise=True"):
+        DPArguments(noise_multiplier=1.0, steps_after_checkpoint=2)
 
 
 def test_the_draw_ledger_outlives_the_checkpoints_save_total_limit_deletes(tmp_path):

@@ -123,8 +123,9 @@ def _warn_if_it_went_further(state: dict, checkpoint: str) -> None:
             "[Ghost] the run that saved this checkpoint went %d step(s) further (draw ledger "
             "%s); resumed without fresh_noise, those steps' draws and noise are drawn again. "
             "If anything computed after the checkpoint was released (an exported model, "
-            "metrics), resume with fresh_noise=True (the trainer's --fresh-noise): the "
-            "accountant counts those steps and new batches and noise are drawn",
+            "metrics), resume with fresh_noise=True (the trainer's --fresh-noise; "
+            "DPArguments(fresh_noise=True) in the Hugging Face trainers): the accountant "
+            "counts those steps and new batches and noise are drawn",
             beyond,
             os.path.basename(path),
         )

@@ -39,6 +39,14 @@ class DPArguments:
     """None (the default): the Poisson draws and the noise come from OS entropy. An integer
     opts in to reproducible DP randomness (tests, debugging): privacy then rests on it staying
     secret. ``TrainingArguments.seed`` never decides DP randomness."""
+    fresh_noise: bool = False
+    """With ``resume_from_checkpoint``: restart every noise generator from OS entropy, count
+    every step the run that saved the checkpoint took after it (its draw ledger in
+    ``output_dir``, or ``steps_after_checkpoint``) and draw new batches. For a run whose outputs
+    after the checkpoint (a later checkpoint's model, metrics) may have been seen."""
+    steps_after_checkpoint: int | None = None
+    """With ``fresh_noise``, where the draw ledger is lost: the steps the earlier run took after
+    the checkpoint (an over-count costs budget, never privacy)."""
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -62,5 +70,12 @@ class DPArguments:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be a positive integer or None")
+        if self.steps_after_checkpoint is not None and (
+            self.steps_after_checkpoint < 0 or not self.fresh_noise
+        ):
+            raise ValueError(
+                f"steps_after_checkpoint={self.steps_after_checkpoint}: give a count >= 0, "
+                "with fresh_noise=True"
+            )
         if self.accountant not in ("prv", "rdp", "gdp"):
             raise ValueError(f"accountant={self.accountant!r}: choose 'prv', 'rdp' or 'gdp'")

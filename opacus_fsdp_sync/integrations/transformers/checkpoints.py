@@ -72,8 +72,17 @@ def save_dp_checkpoint(output_dir: str, session: DPSession) -> None:
     )
 
 
-def load_dp_checkpoint(checkpoint: str, session: DPSession) -> None:
+def load_dp_checkpoint(
+    checkpoint: str,
+    session: DPSession,
+    *,
+    fresh_noise: bool = False,
+    steps_after_checkpoint: int | None = None,
+) -> None:
     """Restores ``checkpoint/dp`` into the private model, optimizer and engine; collective.
+
+    ``fresh_noise`` and ``steps_after_checkpoint``: as
+    :func:`~opacus_fsdp_sync.sharding.load_checkpoint` takes them (``DPArguments``).
 
     Raises:
         CheckpointMismatchError: the checkpoint has no DP state, or belongs to another
@@ -84,6 +93,8 @@ def load_dp_checkpoint(checkpoint: str, session: DPSession) -> None:
         session.module,
         session.optimizer,
         engine=session.engine,
+        fresh_noise=fresh_noise,
+        steps_after_checkpoint=steps_after_checkpoint,
     )
 
 

@@ -230,7 +230,12 @@ class DPTrainerMixin:
             self.lr_scheduler, self._created_lr_scheduler = None, False
             self.create_scheduler(num_training_steps=max_steps)
         if self._dp_resume is not None:
-            load_dp_checkpoint(self._dp_resume, session)
+            load_dp_checkpoint(
+                self._dp_resume,
+                session,
+                fresh_noise=self.dp_args.fresh_noise,
+                steps_after_checkpoint=self.dp_args.steps_after_checkpoint,
+            )
             path = os.path.join(self._dp_resume, SCHEDULER_FILE)
             if os.path.isfile(path):
                 self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
