@@ -275,6 +275,22 @@ def test_the_draw_ledger_outlives_the_checkpoints_save_total_limit_deletes(tmp_p
     assert ledger_file(state, dp) == str(ledgers[0])
 
 
+def test_a_ledger_inside_a_checkpoint_folder_moves_to_the_output_dir_on_resume(tmp_path):
+    """Earlier releases kept the draw ledger inside the first ``checkpoint-N`` folder; a run
+    resumed from such a checkpoint carries on with it in its own ``output_dir``, its furthest
+    position copied (so that rotation cannot take it, nor bring the folder back empty)."""
+    from opacus_fsdp_sync.sampling.ledger import read_ledger
+
+    _resume_run(tmp_path / "a")
+    (ledger,) = (tmp_path / "a").glob("dp_draws_*.json")
+    old = tmp_path / "a" / "checkpoint-2" / ledger.name
+    ledger.rename(old)  # where an earlier release left it
+    resumed = _resume_run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"))
+    moved = tmp_path / "b" / ledger.name
+    assert resumed.dp_session.engine.draw_ledger.path == str(moved)
+    assert read_ledger(str(moved)).steps == 4 == read_ledger(str(old)).steps
+
+
 def test_save_model_writes_a_from_pretrained_model_and_its_privacy_record(tmp_path):
     from transformers import AutoModelForCausalLM
 

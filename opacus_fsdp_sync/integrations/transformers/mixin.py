@@ -235,6 +235,7 @@ class DPTrainerMixin:
                 session,
                 fresh_noise=self.dp_args.fresh_noise,
                 steps_after_checkpoint=self.dp_args.steps_after_checkpoint,
+                ledger_folder=self.args.output_dir,
             )
             path = os.path.join(self._dp_resume, SCHEDULER_FILE)
             if os.path.isfile(path):
