@@ -283,19 +283,11 @@ def test_fixed_batches_warn_that_the_epsilon_does_not_hold(caplog):
     """``poisson_sampling=False`` (a test of something other than sampling): the accountant
     still reports an epsilon, so the log says at WARNING, shown by default, that it does not
     hold."""
-    model = _base()
-    data = TensorDataset(torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    from tests.private import make_private  # poisson_sampling=False
+
+    data = (torch.randn(8, 32), torch.randint(0, 4, (8,)))
     with caplog.at_level(logging.WARNING):
-        PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=DataLoader(data, batch_size=4),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            grad_sample_mode="ghost",
-            poisson_sampling=False,
-        )
+        make_private(PrivacyEngine(), _base(), data, 4, 1.0, "ghost", noise=1.0)
     warned = [r for r in caplog.records if "does not hold" in r.getMessage()]
     assert warned and all(r.levelno == logging.WARNING for r in warned)
 
