@@ -84,21 +84,6 @@ class EmbeddingRoom(LayerRoom):
         "computed from the token ids and output gradient instead",
     )
 
-    def refusal(self, layer):
-        """``scale_grad_by_freq=True``: no sum of clipped per-sample gradients is its gradient.
-
-        Its batch gradient divides each token's row by the token's count over the whole batch,
-        a sample's by the count within that sample; neither the norm nor the clipped gradient
-        here (nor upstream's) follows either (up to 69 % off the clip-each-sample loop).
-        """
-        if layer.scale_grad_by_freq:
-            return (
-                "nn.Embedding(scale_grad_by_freq=True) scales each token's gradient by its count "
-                "over the batch, which no per-sample clipping can reproduce; set "
-                "scale_grad_by_freq=False"
-            )
-        return None
-
     def clipped_grad(self, layer, inputs, grad_out, scale):
         """``embedding_dense_backward`` of the scaled output gradient (padding rows get none)."""
         ids = inputs[0]

@@ -184,19 +184,6 @@ class GenericRoom(LayerRoom):
         call = activations.call if isinstance(activations, ReplayInputs) else None
         return per_sample_grads(layer, activations, call, backprops, params)
 
-    def refusal(self, layer):
-        """Layers that scale gradients by token counts over the batch (``scale_grad_by_freq``).
-
-        ``EmbeddingBag`` and the like: no sum of clipped per-sample gradients is that gradient.
-        """
-        if vars(layer).get("scale_grad_by_freq", False):
-            return (
-                f"{type(layer).__name__}(scale_grad_by_freq=True) scales each token's gradient "
-                "by its count over the batch, which no per-sample clipping can reproduce; set "
-                "scale_grad_by_freq=False"
-            )
-        return None
-
     def clipped_grad(self, layer, inputs, grad_out, scale):
         """Replays the recorded forward on the kept inputs, differentiates w.r.t. the parameters.
 

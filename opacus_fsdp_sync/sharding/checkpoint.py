@@ -74,6 +74,7 @@ def load_checkpoint(
     engine=None,
     fresh_noise: bool = False,
     steps_after_checkpoint: int | None = None,
+    ledger_folder: str | None = None,
 ):
     """Loads what :func:`save_checkpoint` wrote, on any world size; every rank calls it.
 
@@ -93,6 +94,10 @@ def load_checkpoint(
             ``steps_after_checkpoint``.
         steps_after_checkpoint: The steps the run that saved this checkpoint took after it,
             for a ``fresh_noise`` resume whose ledger is lost (an over-count is safe).
+        ledger_folder: As :func:`save_checkpoint`'s: where the run's draw ledger goes on, its
+            furthest position copied there when the loaded one lives elsewhere (inside a
+            Hugging Face ``checkpoint-N`` folder, where earlier releases kept it); None: where
+            it is.
 
     Raises:
         CheckpointMismatchError: the DP state is missing or belongs to another configuration,
@@ -132,6 +137,8 @@ def load_checkpoint(
             resume_at=resume_at,
             ledger=positions.ledger_file(dp, path),
         )
+        if ledger_folder is not None:
+            positions.move_ledger(engine, ledger_folder)
         # steps taken before the checkpoint (absent from checkpoints of earlier releases)
         engine.optimizer_steps = dp.get("optimizer_steps", engine.optimizer_steps)
 

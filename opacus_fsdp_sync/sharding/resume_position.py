@@ -37,6 +37,23 @@ def start_ledger(engine, checkpoint: str, folder: str | None = None) -> None:
     engine.record_progress()
 
 
+def move_ledger(engine, folder: str) -> None:
+    """Carries ``engine``'s draw ledger on in ``folder``, its furthest position copied there.
+
+    For a ledger adopted from a folder a framework may delete (earlier releases kept the Hugging
+    Face trainers' inside their first ``checkpoint-N`` folder). Nothing where it is there.
+    """
+    ledger = engine.draw_ledger
+    folder = os.path.abspath(folder)
+    if ledger is None or os.path.dirname(os.path.abspath(ledger.path)) == folder:
+        return
+    moved = DrawLedger(os.path.join(folder, os.path.basename(ledger.path)), write=ledger.write)
+    found = read_ledger(ledger.path)
+    if found is not None:
+        moved.record(found)
+    engine.draw_ledger = moved
+
+
 def ledger_file(state: dict, checkpoint: str) -> str | None:
     """The saved ledger's file (None: no ledger).
 

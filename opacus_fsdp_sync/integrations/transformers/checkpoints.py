@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ...distributed.detect import _unwrap
-from ...sampling.ledger import DrawLedger, read_ledger
 from ...sharding import load_checkpoint, save_checkpoint
 from .session import DPSession
 
@@ -83,11 +82,9 @@ def load_dp_checkpoint(
 ) -> None:
     """Restores ``checkpoint/dp`` into the private model, optimizer and engine; collective.
 
-    ``fresh_noise`` and ``steps_after_checkpoint``: as
-    :func:`~opacus_fsdp_sync.sharding.load_checkpoint` takes them (``DPArguments``).
-    ``ledger_folder`` (the Trainer's ``output_dir``): where the run's draw ledger goes on, its
-    furthest position copied there, when the loaded one lives elsewhere (inside a
-    ``checkpoint-N`` folder, where earlier releases kept it and ``save_total_limit`` deletes it).
+    ``fresh_noise``, ``steps_after_checkpoint`` and ``ledger_folder`` (the Trainer's
+    ``output_dir``, beside the ``checkpoint-N`` folders ``save_total_limit`` deletes): as
+    :func:`~opacus_fsdp_sync.sharding.load_checkpoint` takes them.
 
     Raises:
         CheckpointMismatchError: the checkpoint has no DP state, or belongs to another
@@ -100,18 +97,8 @@ def load_dp_checkpoint(
         engine=session.engine,
         fresh_noise=fresh_noise,
         steps_after_checkpoint=steps_after_checkpoint,
+        ledger_folder=ledger_folder,
     )
-    ledger = session.engine.draw_ledger
-    if ledger_folder is not None and ledger is not None:
-        folder = os.path.abspath(ledger_folder)
-        if os.path.dirname(os.path.abspath(ledger.path)) != folder:
-            moved = DrawLedger(
-                os.path.join(folder, os.path.basename(ledger.path)), write=ledger.write
-            )
-            found = read_ledger(ledger.path)
-            if found is not None:
-                moved.record(found)
-            session.engine.draw_ledger = moved
 
 
 def write_privacy_record(output_dir: str, session: DPSession) -> None:
