@@ -18,7 +18,9 @@ with a warning.
 
 Seeds that every rank must share (the sampler's, a shared noise draw's) are drawn on rank 0 and
 broadcast; the per-shard noise streams mix rank 0's seed with the shard's coordinate
-(:mod:`.optimizers.fsdp2`).
+(:mod:`.optimizers.fsdp2`). Every generator made here depends on all 63 bits of its seed: a CPU
+one gets its whole state from it (:mod:`._generator_internals`), where ``manual_seed`` would
+keep 32 bits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import secrets
 
 import torch
 import torch.distributed as dist
+
+from ._generator_internals import seeded_generator
 
 logger = logging.getLogger(__name__)
 
@@ -188,14 +192,14 @@ class DPRandomness:
         logger.warning(LOADER_GENERATOR_WARNING)
         seed = int(torch.randint(0, 2**62, (1,), generator=given, device=given.device))
         mixed = splitmix64(seed, _purpose_code("rank:sampler", rank))
-        return torch.Generator().manual_seed(mixed)
+        return seeded_generator(torch.device("cpu"), mixed)
 
     def generator(
         self, purpose: str, device: torch.device, *, distributed: bool
     ) -> torch.Generator:
         """A generator on ``device`` seeded with :meth:`shared_seed`."""
         seed = self.shared_seed(purpose, distributed=distributed, device=device)
-        return torch.Generator(device=device).manual_seed(seed)
+        return seeded_generator(device, seed)
 
     def noise_generator(self, optimizer, given, *, secure_rng, distributed: bool):
         """The noise generator: ``secure_rng``, the user's ``noise_generator``, or ours.
@@ -236,7 +240,7 @@ class DPRandomness:
         its own. Issues no collective.
         """
         seed = splitmix64(self.local_seed(purpose), _purpose_code(f"rank:{purpose}", rank))
-        return torch.Generator(device=device).manual_seed(seed)
+        return seeded_generator(device, seed)
 
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct coordinates give distinct seeds
@@ -267,9 +271,7 @@ def shard_generators(generator, device: torch.device, coordinates: list[tuple[in
         )
     base = broadcast_seed(seed, device)
     return [
-        torch.Generator(device=device).manual_seed(
-            (base ^ ((hash(tuple(c)) % 2**61 + 1) * _MIX)) % (2**63)
-        )
+        seeded_generator(device, (base ^ ((hash(tuple(c)) % 2**61 + 1) * _MIX)) % (2**63))
         for c in coordinates
     ]
 
@@ -293,7 +295,7 @@ def shared_generator(generator: torch.Generator | None, device: torch.device) ->
                 if generator is not None
                 else os_seed()  # never torch's global generator
             )
-            shared.manual_seed(seed)
+            shared.set_state(seeded_generator(device, seed).get_state())
     state = shared.get_state()
     buf = state.to(comm_device(device))
     dist.broadcast(buf, src=0)

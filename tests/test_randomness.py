@@ -15,7 +15,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
-from opacus_fsdp_sync.randomness import DPRandomness, splitmix64
+from opacus_fsdp_sync import _generator_internals as generator_internals
+from opacus_fsdp_sync._generator_internals import seeded_generator
+from opacus_fsdp_sync.distributed import TorchInternalsError
+from opacus_fsdp_sync.randomness import (
+    _MIX,
+    DPRandomness,
+    _purpose_code,
+    shard_generators,
+    splitmix64,
+)
 from opacus_fsdp_sync.testing import run_ranks
 from tests import workers_randomness as wr
 from tests.workers_layouts import _base
@@ -39,6 +48,49 @@ def test_seeds_ignore_torch_manual_seed_unless_dp_seed_is_given(caplog):
     assert firsts == [again.local_seed("sampler"), again.local_seed("noise")]
     assert len({*firsts, seeded.local_seed("sampler")}) == 3  # purposes and repeats differ
     assert splitmix64(11, 0) != splitmix64(11, 1)
+
+
+def test_cpu_dp_generators_depend_on_every_bit_of_their_seed():
+    # torch's CPU generator keeps a seed's low 32 bits, so manual_seed(s) and
+    # manual_seed(s + 2**32) draw the same noise; ours must not.
+    low = 12345
+    high = low + 2**32
+    torch_a, torch_b = (torch.Generator().manual_seed(s) for s in (low, high))
+    assert torch.equal(torch.randn(8, generator=torch_a), torch.randn(8, generator=torch_b))
+    ours_a, ours_b, again = (seeded_generator(torch.device("cpu"), s) for s in (low, high, low))
+    first = torch.randn(8, generator=ours_a)
+    assert not torch.equal(first, torch.randn(8, generator=ours_b))
+    assert torch.equal(first, torch.randn(8, generator=again))  # still a function of the seed
+    # The engine's noise, sampler and shard generators take that path: two dp_seeds whose
+    # derived noise seeds agree in their low 32 bits would otherwise share a stream.
+    src = DPRandomness(3)
+    seed = splitmix64(3, _purpose_code("noise", 0))
+    noise = src.generator("noise", torch.device("cpu"), distributed=False)
+    want = seeded_generator(torch.device("cpu"), seed)
+    assert torch.equal(torch.randn(8, generator=noise), torch.randn(8, generator=want))
+    cpu = torch.device("cpu")
+    base = int(torch.randint(0, 2**62, (1,), generator=seeded_generator(cpu, 9)))
+    shard_seed = (base ^ ((hash((0,)) % 2**61 + 1) * _MIX)) % 2**63
+    (shard,) = shard_generators(seeded_generator(cpu, 9), cpu, [(0,)])
+    assert torch.equal(shard.get_state(), seeded_generator(cpu, shard_seed).get_state())
+
+
+def test_a_cpu_generator_state_of_another_layout_fails_loudly(monkeypatch):
+    monkeypatch.setattr(generator_internals, "STATE_BYTES", 5048)
+    generator_internals.check_layout.cache_clear()
+    try:
+        with pytest.raises(TorchInternalsError, match="state is 5056 bytes .* secure_mode=True"):
+            generator_internals.cpu_generator(1)
+    finally:
+        generator_internals.check_layout.cache_clear()
+    # A layout that sizes right but puts the words elsewhere draws other numbers: refused.
+    monkeypatch.undo()
+    monkeypatch.setattr(generator_internals, "_WORDS", 32)
+    try:
+        with pytest.raises(TorchInternalsError, match="does not draw what that state draws"):
+            generator_internals.check_layout()
+    finally:
+        generator_internals.check_layout.cache_clear()
 
 
 def test_dp_seed_is_refused_with_secure_mode_and_must_be_an_int():
