@@ -80,6 +80,18 @@ def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
     )
 
 
+def _densify_sparse_grads(optimizer) -> None:
+    """Makes a sparse gradient (``nn.Embedding(sparse=True)``'s second backward) dense.
+
+    The noise makes every gradient dense anyway, and Opacus's optimizer adds it as
+    ``summed_grad + noise``, which torch refuses for a sparse left operand. Same values.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.grad.layout is not torch.strided:
+                p.grad = p.grad.to_dense()
+
+
 def _check_sample_count(coeff: torch.Tensor, loss_per_sample: torch.Tensor) -> None:
     """Refuses clipping coefficients for another number of samples than the loss has.
 
@@ -307,6 +319,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                         second.backward()
                 finally:
                     hooks.enable_hooks()
+                _densify_sparse_grads(self.optimizer)
         except BaseException as err:
             self._clean_up_failed_step(err, hooks)
             raise

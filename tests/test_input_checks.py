@@ -190,3 +190,27 @@ def test_a_layer_called_twice_in_one_forward_is_refused_saying_so():
     gsm, opt, crit, _ = make_private(PrivacyEngine(), model, (x, y), B, C, "ghost")
     with pytest.raises(NotImplementedError, match="Linear ran twice before a backward"):
         crit(gsm(x), y).backward()
+
+
+@pytest.mark.parametrize("options", [{}, {"one_backward": False}], ids=["one", "two_pass"])
+def test_a_sparse_embedding_matches_the_clip_each_sample_loop(options):
+    """``nn.Embedding(sparse=True)``: the two-pass step failed in Opacus's ``add_noise``
+    (``add(sparse, dense)``); its second backward's sparse gradient is now made dense, and
+    both paths equal the clip-each-sample loop."""
+    from opacus_fsdp_sync.testing import per_sample_clipped_grads
+
+    torch.manual_seed(0)
+    model = Tokens(sparse=True)
+    ids, y = torch.randint(0, 11, (B, T)), torch.randint(0, K, (B, T))
+    dense = Tokens()
+    dense.load_state_dict(model.state_dict())
+    ref, norms = per_sample_clipped_grads(dense, _sample_loss, ids, y, C)
+    assert (norms > C).all()  # clipping active for every sample
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gsm, opt, crit, _ = make_private(
+        PrivacyEngine(**options), model, (ids, y), B, C, "ghost", lr=1.0
+    )
+    crit(gsm(ids).reshape(-1, K), y.reshape(-1), shape=(B, T)).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-4, atol=1e-6)
