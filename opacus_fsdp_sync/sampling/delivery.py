@@ -9,7 +9,8 @@ used is counted, an over-count). But the check for a second optimizer step on on
 last steps of an epoch, when nothing is left to fetch, every step looked like a second one on
 its draw, each was counted once more and warned about. Here the loader counts the draws whose
 last batch it has given to the loop (:attr:`~.poisson.SharedPoissonSampler.delivered`), and
-the check reads that count instead.
+the check reads that count instead, and the accountant the index of the draw the loop is on
+(:attr:`~.poisson.SharedPoissonSampler.current`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def count_delivered(
         ends = ends_draw()
         if sampler.delivered is None:  # a checkpoint loaded meanwhile: every draw handed out
             sampler.delivered = sampler.handed_out  # since then, this batch's included
-        elif ends:
-            sampler.delivered += 1
+            sampler.in_loop = sampler.delivered - 1
+        else:
+            sampler.in_loop = sampler.delivered  # the batch's draw: the first not yet ended
+            if ends:
+                sampler.delivered += 1
         yield batch

@@ -14,10 +14,9 @@ probability about ``T^2 / 2^33`` over ``T`` steps, a quarter at 50,000.) The sam
 advances by draws *handed out*, never by optimizer steps: each draw is used at most once, whether
 or not a step followed it (a step skipped after an out-of-memory error, a batch consumed by hand).
 Its state is the seed and the number of draws handed out, so a checkpoint restores it exactly.
-Each draw handed out is reported to :attr:`SharedPoissonSampler.on_draw` (the engine's
-accountant counts it there): a skipped step costs the privacy of a step taken. With a data
-loader's worker processes, draws prefetched but never consumed are counted too (an over-count,
-never an under-count).
+Each draw handed out is reported to :attr:`SharedPoissonSampler.on_draw`; the engine's
+accountant (:mod:`.accounting`) counts it at the step that releases it, or when the loop moves
+past it without a step (a skipped step costs the privacy of a step taken).
 
 The seed comes from :mod:`..randomness` (OS entropy, or the engine's explicit ``dp_seed``); it
 is secret: whoever knows it knows every draw.
@@ -104,6 +103,9 @@ class SharedPoissonSampler(Sampler[list[int]]):
         #: Draws whose last batch a loader with worker processes has given to the training
         #: loop (:mod:`.delivery`); None: no such loader, every draw handed out is in use.
         self.delivered: int | None = None
+        #: With such a loader, the index of the draw whose batch the loop was given last (None:
+        #: none yet).
+        self.in_loop: int | None = None
         #: Called with the global count of each draw as it is handed out (the engine's
         #: accountant); None: nobody counts.
         self.on_draw: Callable[[int], None] | None = None
@@ -116,7 +118,18 @@ class SharedPoissonSampler(Sampler[list[int]]):
     @completed.setter
     def completed(self, value: int) -> None:
         self.handed_out = self._stepped_at = int(value)
-        self.delivered = None
+        self.delivered = self.in_loop = None
+
+    @property
+    def current(self) -> int:
+        """The index of the draw the training loop is on (-1 before the first).
+
+        The last draw handed out, or, behind a loader whose workers fetch ahead, the draw of the
+        last batch given to the loop (:attr:`in_loop`).
+        """
+        if self.delivered is None:
+            return self.handed_out - 1
+        return self.in_loop if self.in_loop is not None else self.delivered - 1
 
     def __len__(self) -> int:
         return self.steps
