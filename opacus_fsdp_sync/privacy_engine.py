@@ -37,7 +37,7 @@ from .randomness import DPRandomness
 from .sampling import SharedPoissonSampler
 from .sampling.accounting import account_draws, count_steps, track_progress
 from .sampling.ledger import DrawLedger, LedgerPosition
-from .sampling.loaders import dp_data_loader
+from .sampling.loaders import dp_data_loader, loader_generator
 from .tuning import make_norm_tuner
 
 logger = logging.getLogger("opacus_fsdp_sync")
@@ -107,6 +107,8 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.last_options: GhostOptions = self.options.effective
         #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
         self.sampler: SharedPoissonSampler | None = None
+        #: The generator of Opacus's Poisson loader (other modes; None: no such loader).
+        self.loader_generator: torch.Generator | None = None
         #: How far this line of runs went (:mod:`.sampling.ledger`): started by the first
         #: checkpoint saved with this engine, or adopted from the checkpoint it resumed.
         self.draw_ledger: DrawLedger | None = None
@@ -175,6 +177,7 @@ class PrivacyEngine(opacus.PrivacyEngine):
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
+        self.loader_generator = loader_generator(made[-1])
         track_progress(made[1], self.sampler, self.record_progress)
         return made
 

@@ -77,3 +77,14 @@ def dp_data_loader(
             rand_on_empty=rand_on_empty,
         )
     return None
+
+
+def loader_generator(data_loader: DataLoader):
+    """The generator of Opacus's Poisson loader ``data_loader`` draws from (None: another loader).
+
+    Its state is part of a checkpoint's DP state: a resumed run continues the stream rather than
+    drawing the first batches again.
+    """
+    if not isinstance(data_loader, DPDataLoader):
+        return None
+    return vars(data_loader.batch_sampler).get("generator")

@@ -153,7 +153,7 @@ def dp_state(engine, optimizer) -> dict:
         optimizer: The DP optimizer ``make_private`` returned.
     """
     rank, world = _rank_world()
-    sampler = engine.sampler
+    sampler, gen = engine.sampler, engine.loader_generator
     return {
         "version": DP_STATE_VERSION,
         "rank": rank,
@@ -161,6 +161,8 @@ def dp_state(engine, optimizer) -> dict:
         "settings": _settings(engine, optimizer),
         "accountant": engine.accountant.state_dict(),
         "sampler": None if sampler is None else sampler.state_dict(),
+        # Opacus's Poisson loader (other modes): this rank's stream of masks
+        "loader_generator": None if gen is None else gen.get_state(),
         "noise_generator": _generator_state(optimizer),
         # the further noise streams (tensor parallelism: one for the tp-sharded coordinates)
         "noise_streams": [g.get_state() for g in _extra_streams(optimizer)],
@@ -269,6 +271,7 @@ def restore_dp_state(
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
+    _restore_loader_generator(engine, state, fresh=fresh_noise)
     if fresh_noise:
         reseed_noise(engine, optimizer)
         logger.warning(
@@ -286,6 +289,25 @@ def restore_dp_state(
             )
         for gen, saved_state in zip(streams, saved):
             gen.set_state(saved_state)
+
+
+def _restore_loader_generator(engine, state: dict, *, fresh: bool) -> None:
+    """Opacus's Poisson loader goes on from the saved stream, or (``fresh``) a new one.
+
+    Without it a resumed run drew the saved run's first batches again (its generator restarts
+    from the engine's seed: the same with ``dp_seed`` or a loader ``generator=``). ``fresh``:
+    the saving run may have gone further, or ranks changed; this rank's stream is drawn anew.
+    """
+    gen, saved = engine.loader_generator, state.get("loader_generator")
+    if gen is None:
+        return
+    if fresh or saved is None:
+        rank = _rank_world()[0]
+        gen.set_state(
+            engine.randomness.rank_generator("sampler", gen.device, rank=rank).get_state()
+        )
+    else:
+        gen.set_state(saved)
 
 
 def _move_to(engine, position: LedgerPosition, state: dict) -> None:
