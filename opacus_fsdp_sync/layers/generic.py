@@ -189,9 +189,10 @@ class GenericRoom(LayerRoom):
 
         The replay (:func:`replay`) runs with the call's keyword arguments and RNG state (the
         same dropout mask) and leaves the layer's buffers and the caller's RNG as they were.
-        The parameters registered now must hold their full values.
+        The parameters registered now must hold their full values; frozen ones are left out
+        (autograd refuses to differentiate w.r.t. them).
         """
-        params = dict(layer.named_parameters(recurse=False))
+        params = {n: p for n, p in layer.named_parameters(recurse=False) if p.requires_grad}
         names = list(params)
         out = replay(layer, inputs, inputs.call if isinstance(inputs, ReplayInputs) else None)
         with torch.enable_grad():

@@ -13,8 +13,14 @@ is all a new layer type needs. A room matched by what a layer computes rather th
 (RMSNorm-like layers) registers with ``match=`` instead. Layers no room claims take the generic
 room (the exact replay); tied weights have their own room (:data:`TIED`), found by name.
 
-Norms are looked up by the exact type, as Opacus dispatches them (a subclass of ``nn.Linear``
-keeps Opacus's own sampler for it); clipped gradients by the most specific registered base class.
+Norms and clipped gradients come from one room, found by one rule (:func:`room_for`): the room
+of the layer's own type, else of its most specific registered base class where no class in
+between defines its own ``forward`` (a subclass that only adds attributes computes what its base
+computes), else a matching room, else the generic one. A subclass that overrides ``forward``
+(``gelu(super().forward(x))``, an embedding that scales its output) computes another function:
+the base's formula would clip it silently wrong (36 % off the clip-each-sample loop for such a
+``Linear``), so it takes the generic room, as any layer no room claims. Opacus's own sampler for
+a layer's exact type (``RNNLinear``'s) keeps precedence for the norm, as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+)
 from torch import nn
 
 from .kernels.rows import scale_rows_kernel
@@ -220,8 +229,20 @@ def typed_rooms() -> dict[type, LayerRoom]:
     return dict(_BY_TYPE)
 
 
+def _registered_base(module_type: type) -> type | None:
+    """The class whose room computes ``module_type`` (None: no typed room does).
+
+    The most specific registered class in ``module_type``'s MRO, provided ``module_type``
+    inherits its ``forward``: a class in between that defines its own computes something else.
+    """
+    for cls in module_type.__mro__:
+        if cls in _BY_TYPE:
+            return cls if module_type.forward is cls.forward else None
+    return None
+
+
 def room_for(module: nn.Module, module_type: type | None = None) -> LayerRoom:
-    """The room that computes ``module``'s clipped gradient.
+    """The room that computes ``module``'s per-sample norm and clipped gradient.
 
     Args:
         module: A hooked layer.
@@ -229,13 +250,13 @@ def room_for(module: nn.Module, module_type: type | None = None) -> LayerRoom:
             when None.
 
     Returns:
-        The room of the most specific registered base class, else the first matching room,
-        else the generic room.
+        The room of its type, or of its most specific registered base class when it inherits
+        that class's ``forward``; else the first matching room; else the generic room.
     """
     module_type = type(module) if module_type is None else module_type
-    for cls in module_type.__mro__:
-        if cls in _BY_TYPE:
-            return _BY_TYPE[cls]
+    base = _registered_base(module_type)
+    if base is not None:
+        return _BY_TYPE[base]
     for room in _MATCHED:
         if room.matches(module, module_type):
             return room
@@ -245,11 +266,25 @@ def room_for(module: nn.Module, module_type: type | None = None) -> LayerRoom:
 def norm_samplers(model: nn.Module) -> dict:
     """``{layer type: norm function}`` the hooks use for ``model``, by exact type.
 
-    Typed rooms with a norm of their own, then the matched rooms' types found in ``model``
-    (see :meth:`types_in` of such a room). Rooms whose norm is :class:`Unavailable` leave their
-    types to Opacus's per-sample gradients.
+    Typed rooms with a norm of their own, the subclasses in ``model`` that :func:`room_for`
+    gives such a room (those Opacus has a sampler of its own for keep it), then the matched
+    rooms' types found in ``model`` (see :meth:`types_in` of such a room). Rooms whose norm is
+    :class:`Unavailable` leave their types to Opacus's per-sample gradients; a subclass that
+    overrides ``forward`` is in no room's table (the generic room's norm, or Opacus's).
     """
     table = {t: room.norm for t, room in _BY_TYPE.items() if room.norm}
+    opacus = GradSampleHooksFastGradientClipping
+    for module in model.modules():
+        t = layer_type(module)
+        base = _registered_base(t)
+        if (
+            base is not None
+            and t not in table
+            and t not in opacus.NORM_SAMPLERS
+            and t not in opacus.GRAD_SAMPLERS
+            and _BY_TYPE[base].norm
+        ):
+            table[t] = _BY_TYPE[base].norm
     for room in _MATCHED:
         if room.norm:
             table.update({t: room.norm for t in room.types_in(model)})
