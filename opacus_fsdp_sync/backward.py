@@ -23,6 +23,7 @@ from .errors import attach_cleanup_error
 from .hooks.contract import StepHooks
 from .hooks.ghost import step_hooks
 from .hooks.kept import kept_bytes
+from .layers.ownership import check_parameter_uses
 from .one_backward.memory import MemoryBudget, MemoryPlan
 from .optimizers.ops import DPOptimizerOps, OpacusOptimizerOps
 from .profiling.memory import AllocatorWatch
@@ -206,6 +207,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             self.context.timer.flush()  # previous step's CUDA events, if any were left pending
         if self.context.allocator_watch is not None:
             self.context.allocator_watch.check()
+        check_parameter_uses(self, hooks, reduced_loss)  # once per model: .layers.ownership
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)
         self._clipped_pass(hooks, one=path.one)

@@ -19,6 +19,7 @@ from ..distributed.detect import _unwrap
 from ..distributed.layout import Layout, check_layout, check_parallelism, detect_layout
 from ..distributed.tensor_parallel import check_secure_mode
 from ..errors import UnsupportedConfigurationError
+from ..layers.ownership import ownership_refusals
 from ..layers.registry import refusals
 from ..options import GhostOptions
 from .api import GHOST_MODES, OPACUS_MODES, OptimizerFactory
@@ -83,6 +84,12 @@ def plan_call(kwargs: dict, opts: GhostOptions, *, secure_mode: bool) -> CallPla
     if refused:
         raise UnsupportedConfigurationError(
             "layers whose gradient cannot be clipped per sample: " + "; ".join(refused)
+        )
+    unhooked = ownership_refusals(_unwrap(module))
+    if unhooked:
+        raise UnsupportedConfigurationError(
+            "trainable parameters that no hooked layer call covers (their per-sample norms "
+            "would be missing): " + "; ".join(unhooked)
         )
     layout = detect_layout(_unwrap(module))
     factory = found.record.plan_optimizer(  # raises for what the API cannot run
