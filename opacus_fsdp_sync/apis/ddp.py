@@ -196,8 +196,38 @@ def _handoff(modules: list[nn.Module]) -> DDPHandoff:
     return DDPHandoff(modules[0])
 
 
+def check_comm_hook(ddp: nn.Module) -> None:
+    """Refuses a DDP communication hook that may not average the clipped gradients over ranks.
+
+    The DP optimizers add noise of std ``sigma * C / B`` to gradients they take as averaged over
+    ranks; a summing hook (2 ranks: twice the update, half the effective noise multiplier),
+    PowerSGD or a 16-bit compress hook breaks that silently. No hook, torch's
+    ``default_hooks.allreduce_hook`` and DDP's own mixed-precision hook pass (see
+    :func:`~..distributed._ddp_internals.comm_hook_refusal`). Read at ``make_private`` only:
+    registering a hook afterwards is not supported.
+
+    Raises:
+        UnsupportedConfigurationError: naming the hook, why, and what to do.
+        DDPInternalsError: if this torch does not have the attributes read.
+    """
+    refused = internals.comm_hook_refusal(ddp)
+    if refused is not None:
+        name, why = refused
+        raise UnsupportedConfigurationError(
+            f"DDP communication hook {name} is not supported: {why}. The DP noise (std "
+            "sigma * C / B) is calibrated for gradients averaged over ranks by DDP. Register "
+            "no hook (DDP's default averaging) or torch's "
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook, and "
+            "register none after make_private either (not supported)."
+        )
+
+
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
-    """The shared-noise optimizer behind the activations-only pass (gradients arrive averaged)."""
+    """The shared-noise optimizer behind the activations-only pass (gradients arrive averaged).
+
+    Every call first refuses a communication hook that may not average (:func:`check_comm_hook`).
+    """
+    check_comm_hook(modules[0])
     if options.sync_optimization and not secure_mode and options.restricted_first_pass:
         _controller(modules, enabled=True, restricted=True)  # raises early (static_graph)
         return shared_noise_optimizer

@@ -309,13 +309,43 @@ def _refuse_secure_replicas(modules: list[nn.Module]) -> None:
         )
 
 
+def check_reduction(modules: list[nn.Module]) -> None:
+    """Refuses FSDP2 units whose gradient reduction is not FSDP2's default average.
+
+    Every DP optimizer here (and Opacus's) adds noise of std ``sigma * C / B`` to gradients it
+    takes as averaged over the data-parallel ranks. ``set_gradient_divide_factor`` (or the older
+    ``set_reduce_scatter_divide_factor``) changes that divisor (1.0 on 2 ranks doubles the
+    update and halves the effective noise multiplier); ``set_force_sum_reduction_for_comms`` is
+    refused with it, as not checked to average. HSDP's default (2-D mesh) passes. Read at
+    ``make_private`` only: changing either afterwards is not supported.
+
+    Raises:
+        UnsupportedConfigurationError: naming each unit and what is set.
+        FSDPInternalsError: if this torch does not have the attributes read.
+    """
+    overrides = internals.reduction_overrides(modules)
+    if overrides:
+        raise UnsupportedConfigurationError(
+            "FSDP2 gradient reduction other than the default average on unit(s) "
+            f"{listing([f'{name!r} ({how})' for name, how in overrides])}: the DP noise (std "
+            "sigma * C / B) is calibrated for gradients averaged over the data-parallel ranks, "
+            "so another divisor (or a reduction not checked to average) changes the effective "
+            "noise multiplier silently. Leave FSDP2's "
+            "default averaging: do not call set_gradient_divide_factor, "
+            "set_reduce_scatter_divide_factor or set_force_sum_reduction_for_comms(True) (and do "
+            "not call them after make_private either, which is not supported)."
+        )
+
+
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Shard-local noise with ``ghost_fsdp`` and the optimisation on; else Opacus's.
 
     Both divide by ``layout.dp_degree`` (:class:`~..distributed.layout.Layout`): under tensor
     parallelism FSDP2 averages over the data-parallel ranks only. Without it Opacus's own
-    optimizer (None) already divides by the world size.
+    optimizer (None) already divides by the world size. Every call first refuses a
+    reduction other than the average (:func:`check_reduction`).
     """
+    check_reduction(modules)
     if secure_mode:
         _refuse_secure_replicas(modules)
     if options.sync_optimization and not secure_mode and grad_sample_mode == "ghost_fsdp":

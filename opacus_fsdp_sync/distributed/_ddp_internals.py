@@ -79,6 +79,60 @@ def one_backward_blocker(ddp: nn.Module) -> str | None:
     return None
 
 
+def comm_hook_refusal(ddp: nn.Module) -> tuple[str, str] | None:
+    """The DDP communication hook that may not average clipped gradients, and why; or None.
+
+    Passes: no hook, torch's ``default_hooks.allreduce_hook`` and the averaging hook DDP
+    registers itself for ``mixed_precision``. Everything else is named: the 16-bit compress
+    hooks (they round each rank's clipped sum before the noise is added, so the sum of the
+    rounded parts can exceed the clipping bound), PowerSGD (its error feedback carries each
+    rank's unreleased clipped gradients into later steps' updates), built-in C++ hooks
+    (``_register_builtin_comm_hook``, not inspectable) and any other hook (it may sum).
+
+    Returns:
+        ``(hook name, why it is refused)``, or None when DDP averages as the optimizer expects.
+
+    Raises:
+        DDPInternalsError: if an attribute read here is missing.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, mixed_precision_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    with version_gate.private_access(
+        "the check of DDP's communication hook (make_private)",
+        "DistributedDataParallel._comm_hooks / _get_ddp_logging_data() and "
+        "mixed_precision_hooks._reducer_allreduce_and_upcast_hook",
+        "Install a tested torch release; this privacy check cannot be turned off.",
+        cls=DDPInternalsError,
+    ):
+        averaging = (
+            default_hooks.allreduce_hook,
+            mixed_precision_hooks._reducer_allreduce_and_upcast_hook,
+        )
+        hooks = [hook for hook, _ in ddp._comm_hooks]
+        builtin = None if hooks else ddp._get_ddp_logging_data().get("comm_hook")
+    if builtin is not None:
+        return str(builtin), "a built-in (C++) hook, which cannot be inspected"
+    for hook in hooks:
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        if hook in averaging:
+            continue
+        if hook in (psgd.powerSGD_hook, psgd.batched_powerSGD_hook):
+            return name, (
+                "PowerSGD: its error feedback carries each rank's unreleased clipped gradients "
+                "into later steps' updates, and its low-rank sum is not the clipped sum"
+            )
+        if hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook) or (
+            "compress_wrapper" in name
+        ):
+            return name, (
+                "it rounds each rank's clipped gradient sum to 16 bits before the noise is "
+                "added, so the rounded sum can exceed the clipping bound"
+            )
+        return name, "it may sum, compress or keep state instead of averaging over ranks"
+    return None
+
+
 def reduced_parameters(ddp: nn.Module) -> list[nn.Parameter]:
     """The parameters DDP's reducer averages, in registration order, each once.
 
