@@ -408,3 +408,34 @@ def test_opacus_loader_resumes_its_stream_rather_than_replaying_it(tmp_path):
     assert first == whole[:3]
     assert run(made, 3) == whole[3:]
     assert sum(entry[-1] for entry in engine.accountant.history) == 6
+    # fresh_noise draws the stream anew from OS entropy: two fresh resumes of one checkpoint
+    # (dp_seed and all) draw other batches than each other and than the saved run went on with
+    fresh = []
+    for _ in range(2):
+        engine, made = build()
+        load_checkpoint(str(tmp_path / "ck"), made[0], made[1], engine=engine, fresh_noise=True)
+        fresh.append(run(made, 3))
+    assert whole[3:] != fresh[0] != fresh[1] != whole[3:]
+
+
+def test_secure_mode_keeps_no_loader_generator_state(monkeypatch):
+    """Under ``secure_mode`` Opacus's loader draws from its CSPRNG, which has no state to save
+    (torchcsprng's refuses ``get_state``) and must never be replaced by a seeded stream."""
+    import types
+
+    from tests.workers_layouts import _stand_in_csprng
+
+    monkeypatch.setitem(__import__("sys").modules, "torchcsprng", types.ModuleType("x"))
+    _stand_in_csprng()  # replaces the entry monkeypatch restores afterwards
+    model = nn.Sequential(nn.Linear(4, 2))
+    engine = PrivacyEngine(secure_mode=True)
+    engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(torch.randn(16, 4), torch.zeros(16).long()), 4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="hooks",
+    )
+    assert engine.loader_generator is None

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._generator_internals import seeded_generator
 from ..optimizers.noised_step import FlatNoiseStep
 from ..optimizers.ops import optimizer_ops
+from ..randomness import os_seed
 from ..sampling.ledger import DrawLedger, LedgerPosition
 
 logger = logging.getLogger(__name__)
@@ -257,6 +259,8 @@ def restore_dp_state(
     """
     check_dp_state(state, engine, optimizer, fresh_noise=fresh_noise)
     engine.accountant.load_state_dict(state["accountant"])
+    if engine.draw_account is not None:  # draws of the run before the load: not this line's
+        engine.draw_account.reset()
     if engine.sampler is not None:
         engine.sampler.load_state_dict(state["sampler"])
     if resume_at is not None:
@@ -296,16 +300,15 @@ def _restore_loader_generator(engine, state: dict, *, fresh: bool) -> None:
 
     Without it a resumed run drew the saved run's first batches again (its generator restarts
     from the engine's seed: the same with ``dp_seed`` or a loader ``generator=``). ``fresh``:
-    the saving run may have gone further, or ranks changed; this rank's stream is drawn anew.
+    the saving run may have gone further, or ranks changed; this rank's stream is drawn anew
+    from OS entropy (a ``dp_seed`` would give every fresh resume of one checkpoint the same
+    masks). Under ``secure_mode`` the engine keeps no loader generator (Opacus's CSPRNG).
     """
     gen, saved = engine.loader_generator, state.get("loader_generator")
     if gen is None:
         return
-    if fresh or saved is None:
-        rank = _rank_world()[0]
-        gen.set_state(
-            engine.randomness.rank_generator("sampler", gen.device, rank=rank).get_state()
-        )
+    if fresh or saved is None:  # OS entropy, as every fresh noise stream (never dp_seed's)
+        gen.set_state(seeded_generator(gen.device, os_seed()).get_state())
     else:
         gen.set_state(saved)
 
