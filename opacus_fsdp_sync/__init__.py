@@ -5,6 +5,7 @@ Switch one import::
     from opacus_fsdp_sync import PrivacyEngine
 """
 
+from ._opacus_internals import abandon_step
 from .backward import SyncDPLoss, SyncDPTensor
 from .distributed import (
     TESTED_TORCH_VERSIONS,
@@ -33,6 +34,7 @@ __all__ = [
     "TorchInternalsError",
     "UnsupportedConfigurationError",
     "_get_fsdp_root_module",
+    "abandon_step",
     "get_fsdp_root_module",
     "phase",
 ]

@@ -172,3 +172,21 @@ def next_step_skipped(optimizer) -> bool:
     """
     queue = getattr(optimizer, "_step_skip_queue", None)
     return bool(queue) and bool(queue[0])
+
+
+def abandon_step(optimizer) -> None:
+    """Forgets a step that failed: the sum it was adding to and its skip signal.
+
+    A backward that raised (an out-of-memory error in a physical batch of
+    ``BatchMemoryManager``) never reached ``pre_step``: its signal stays at the head of
+    ``_step_skip_queue`` and would pair every later physical batch with its predecessor's
+    signal, and a sum kept from the draw's earlier physical batches (``_is_last_step_skipped``)
+    would join the next draw's. Neither was released, so both are dropped: the head signal, and
+    every ``summed_grad`` (through the optimizer's own ``zero_grad`` once the skip flag is off).
+    """
+    queue = getattr(optimizer, "_step_skip_queue", None)
+    if queue:
+        queue.pop(0)
+    if getattr(optimizer, "_is_last_step_skipped", False):
+        optimizer._is_last_step_skipped = False
+        optimizer.zero_grad(set_to_none=True)

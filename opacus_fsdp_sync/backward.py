@@ -16,7 +16,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 
-from ._opacus_internals import last_step_skipped, next_step_skipped
+from ._opacus_internals import abandon_step, last_step_skipped, next_step_skipped
 from .apis.api import GradientHandoff, StepController
 from .apis.single import NullController
 from .errors import attach_cleanup_error
@@ -330,14 +330,16 @@ class SyncDPTensor(DPTensorFastGradientClipping):
         """Drops everything a failed step left, every part even when an earlier part raises.
 
         FSDP state (``controller.abort``), what the hooks hold (``hooks.abort``: Opacus's
-        per-step state, the first pass's sources) and every gradient. A cleanup part that raises
-        is logged and attached to ``error`` (as a note, and in ``error.cleanup_errors``): the
-        user sees the step's own error, never a cleanup's.
+        per-step state, the first pass's sources), every gradient, and the step's skip signal
+        and any sum kept from its draw's earlier physical batches (never released). A cleanup
+        part that raises is logged and attached to ``error`` (as a note, and in
+        ``error.cleanup_errors``): the user sees the step's own error, never a cleanup's.
         """
         parts = [
             self.context.controller.abort,
             hooks.abort,
             lambda: self.optimizer.original_optimizer.zero_grad(set_to_none=True),
+            lambda: abandon_step(self.optimizer),  # its skip signal, a sum kept mid-draw
         ]
         for part in parts:
             try:

@@ -107,8 +107,9 @@ class PrivacyEngine(opacus.PrivacyEngine):
         self.last_options: GhostOptions = self.options.effective
         #: The shared Poisson sampler of the last model made private (None: Opacus's loader).
         self.sampler: SharedPoissonSampler | None = None
-        #: The generator of Opacus's Poisson loader (other modes; None: no such loader).
+        #: The generator of Opacus's Poisson loader (other modes; None: none, or secure_mode's).
         self.loader_generator: torch.Generator | None = None
+        self.draw_account = None  #: counts the shared sampler's draws (.sampling.accounting)
         #: How far this line of runs went (:mod:`.sampling.ledger`): started by the first
         #: checkpoint saved with this engine, or adopted from the checkpoint it resumed.
         self.draw_ledger: DrawLedger | None = None
@@ -170,14 +171,15 @@ class PrivacyEngine(opacus.PrivacyEngine):
                 self._plan = CallPlan()
         sampler = made[-1].batch_sampler
         if isinstance(sampler, SharedPoissonSampler):
-            account_draws(self.accountant, made[1], sampler, self._step_taken)
+            self.draw_account = account_draws(self.accountant, made[1], sampler, self._step_taken)
         else:
             count_steps(made[1], self._step_taken)
+            self.draw_account = None
         self.distributed_api = detect_api(made[0]).record.name
         if isinstance(made[2], SyncDPLoss) and kwargs.get("poisson_sampling", True):
             made[2].stand_in = EmptyBatchStandIn(_unwrap(made[0]))
         self.sampler = sampler if isinstance(sampler, SharedPoissonSampler) else None
-        self.loader_generator = loader_generator(made[-1])
+        self.loader_generator = None if self.secure_mode else loader_generator(made[-1])
         track_progress(made[1], self.sampler, self.record_progress)
         return made
 

@@ -133,3 +133,69 @@ def test_a_step_summing_several_draws_is_refused():
         opt.step()
     assert torch.equal(model.weight, before)  # nothing released
     assert engine.accountant.history == [(1.0, 1 / 8, 1)]  # draw 0, overtaken, counted once
+
+
+class _FailOnce(__import__("torch").nn.Module):
+    """A linear model whose backward raises once, when ``fail`` is set (an out-of-memory)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.fail = False
+        self.lin.register_full_backward_hook(self._maybe_fail)
+
+    def _maybe_fail(self, *_):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("simulated out of memory")
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_backward_failing_in_a_draws_last_physical_batch_lets_the_run_go_on():
+    """Under ``BatchMemoryManager`` a backward that raised in a draw's last physical batch left
+    the draw's earlier sum and its skip signal behind: the next draw then looked like a second
+    draw added to that sum, and every later step raised. The failed step's cleanup drops both
+    (never released); every draw stays counted once."""
+    import torch
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opacus_fsdp_sync import PrivacyEngine
+
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    model = _FailOnce()
+    engine = PrivacyEngine()
+    gsm, opt, crit, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=torch.nn.CrossEntropyLoss(),
+        data_loader=DataLoader(data, batch_size=16),  # expected 16: about 4 batches of 4
+        noise_multiplier=1.0,
+        max_grad_norm=0.1,
+        grad_sample_mode="ghost",
+    )
+    failed, before_failure = 0, 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as mem:
+        for x, y in mem:
+            last = not opt._step_skip_queue[0]  # this physical batch ends its draw
+            on_draw_1 = engine.sampler.current == 1
+            before_failure += on_draw_1 and not last
+            model.fail = last and on_draw_1 and failed == 0
+            try:
+                crit(gsm(x), y).backward()
+            except RuntimeError as err:
+                assert "simulated out of memory" in str(err)
+                failed += 1
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+    assert before_failure >= 1  # the failed draw had a sum kept from earlier physical batches
+    assert failed == 1
+    drawn = engine.sampler.handed_out
+    assert engine.optimizer_steps == drawn - 1  # every draw stepped but the failed one
+    assert sum(n for *_, n in engine.accountant.history) == drawn  # each counted once

@@ -66,9 +66,9 @@ class DDPController:
         if not self.module.require_backward_grad_sync:
             raise UnsupportedConfigurationError(
                 "DDP no_sync() gradient accumulation is not supported by the sync-skipping step "
-                "(its optimizer relies on DDP's all-reduce in every step): accumulate with "
-                "Opacus's virtual steps (optimizer.signal_skip_step / BatchMemoryManager), or "
-                "pass restricted_first_pass=False to PrivacyEngine."
+                "(its optimizer relies on DDP's all-reduce in every step): raise the DataLoader's "
+                "batch_size (the expected batch) and split each draw with BatchMemoryManager, "
+                "or pass restricted_first_pass=False to PrivacyEngine."
             )
 
     def end_first_pass(self) -> None:

@@ -58,8 +58,8 @@ class FSDP1Controller:
             raise UnsupportedConfigurationError(
                 "FSDP1 no_sync() gradient accumulation is not supported with ghost clipping: the "
                 "private step clears gradients between backward passes, so the unsynced "
-                "micro-batch would be dropped silently. Accumulate with Opacus's virtual steps "
-                "(optimizer.signal_skip_step / BatchMemoryManager) instead."
+                "micro-batch would be dropped silently. Raise the DataLoader's batch_size (the "
+                "expected batch) and split each draw with BatchMemoryManager instead."
             )
         self._previous = internals.hold_final_callback(self.root)
 

@@ -54,6 +54,11 @@ class DrawAccount:
         #: The draw whose gradient the optimizer's summed gradient holds (None: none held).
         self.accumulating: int | None = None
 
+    def reset(self) -> None:
+        """Forgets pending draws and the held sum's draw (a checkpoint was loaded)."""
+        self.pending.clear()
+        self.accumulating = None
+
     def _count(self, noise_multiplier: float) -> None:
         self.accountant.step(
             noise_multiplier=noise_multiplier, sample_rate=self.sampler.sample_rate
@@ -88,10 +93,13 @@ class DrawAccount:
             raise DrawsAccumulatedError(
                 f"[Ghost] this optimizer step would add Poisson draw {current}'s gradient to the "
                 f"sum kept from draw {held} (a step skipped with signal_skip_step on another "
-                "draw, or a physical batch that failed mid-draw): one noised step releasing "
-                "several draws is not what the accountant counts. Take one optimizer step per "
-                "draw: for larger batches raise the DataLoader's batch_size (the expected batch) "
-                "and bound memory with BatchMemoryManager, which splits each draw."
+                "draw): one noised step releasing several draws is not what the accountant "
+                "counts. Take one optimizer step per draw: for larger batches raise the "
+                "DataLoader's batch_size (the expected batch) and bound memory with "
+                "BatchMemoryManager, which splits each draw. After a physical batch that failed "
+                "outside the backward (in the forward or the loss), call "
+                "opacus_fsdp_sync.abandon_step(optimizer) before going on (a failed backward "
+                "does it itself)."
             )
         self.accumulating = current
 
