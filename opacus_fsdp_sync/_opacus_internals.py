@@ -187,6 +187,6 @@ def abandon_step(optimizer) -> None:
     queue = getattr(optimizer, "_step_skip_queue", None)
     if queue:
         queue.pop(0)
-    if getattr(optimizer, "_is_last_step_skipped", False):
+    if last_step_skipped(optimizer):
         optimizer._is_last_step_skipped = False
         optimizer.zero_grad(set_to_none=True)

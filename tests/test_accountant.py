@@ -4,9 +4,16 @@ Poisson sampling is on (Opacus's default), as the accounting assumes.
 """
 
 import pytest
+import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from opacus.schedulers import ExponentialNoise
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from opacus_fsdp_sync import PrivacyEngine
+from opacus_fsdp_sync.sampling.accounting import DrawsAccumulatedError
 from opacus_fsdp_sync.testing import run_ranks
 from tests import workers_accounting as wa
 
@@ -42,29 +49,27 @@ def test_distributed_epsilon_equals_the_accountant_by_hand(layout):
         _check(res, "rdp")
 
 
-def _scheduled_run(num_workers: int, scheduler_before_step: bool, steps: int = 6):
-    """A one-device ghost run whose noise multiplier decays each step; returns (history, used)."""
-    import torch
-    from opacus.schedulers import ExponentialNoise
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from opacus_fsdp_sync import PrivacyEngine
-
-    torch.manual_seed(0)
+def _ghost(model, engine, batch_size, noise, num_workers=0):
+    """``model`` made private on one device in ghost mode over 64 random examples (Poisson)."""
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    # dp_seed: the same draws in every run of the test (the opt-in to reproducibility)
-    engine = PrivacyEngine(accountant="rdp", dp_seed=5)
-    gsm, opt, crit, loader = engine.make_private(
+    return engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(data, batch_size=8, num_workers=num_workers),
-        noise_multiplier=2.0,
+        data_loader=DataLoader(data, batch_size=batch_size, num_workers=num_workers),
+        noise_multiplier=noise,
         max_grad_norm=0.1,
         grad_sample_mode="ghost",
     )
+
+
+def _scheduled_run(num_workers: int, scheduler_before_step: bool, steps: int = 6):
+    """A one-device ghost run whose noise multiplier decays each step; returns (history, used)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    # dp_seed: the same draws in every run of the test (the opt-in to reproducibility)
+    engine = PrivacyEngine(accountant="rdp", dp_seed=5)
+    gsm, opt, crit, loader = _ghost(model, engine, 8, 2.0, num_workers)
     scheduler = ExponentialNoise(opt, gamma=0.5)
     used = []
     for i, (x, y) in enumerate(loader):
@@ -99,25 +104,9 @@ def test_a_step_summing_several_draws_is_refused():
     """Skipping a step across two loader batches (Opacus's old virtual-step pattern) released
     the sum of two draws with one draw's noise, counted as two independent steps (epsilon 2.87
     reported, 4.52 true at q = 0.01, sigma 1, 2,000 draws)."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from opacus_fsdp_sync import PrivacyEngine
-    from opacus_fsdp_sync.sampling.accounting import DrawsAccumulatedError
-
-    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
     model = nn.Linear(8, 2)
     engine = PrivacyEngine()
-    gsm, opt, crit, loader = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(data, batch_size=8),
-        noise_multiplier=1.0,
-        max_grad_norm=0.1,
-        grad_sample_mode="ghost",
-    )
+    gsm, opt, crit, loader = _ghost(model, engine, 8, 1.0)
     batches = iter(loader)
     x, y = next(batches)
     crit(gsm(x), y).backward()
@@ -135,14 +124,12 @@ def test_a_step_summing_several_draws_is_refused():
     assert engine.accountant.history == [(1.0, 1 / 8, 1)]  # draw 0, overtaken, counted once
 
 
-class _FailOnce(__import__("torch").nn.Module):
+class _FailOnce(nn.Module):
     """A linear model whose backward raises once, when ``fail`` is set (an out-of-memory)."""
 
     def __init__(self) -> None:
-        import torch
-
         super().__init__()
-        self.lin = torch.nn.Linear(8, 2)
+        self.lin = nn.Linear(8, 2)
         self.fail = False
         self.lin.register_full_backward_hook(self._maybe_fail)
 
@@ -160,24 +147,9 @@ def test_a_backward_failing_in_a_draws_last_physical_batch_lets_the_run_go_on():
     the draw's earlier sum and its skip signal behind: the next draw then looked like a second
     draw added to that sum, and every later step raised. The failed step's cleanup drops both
     (never released); every draw stays counted once."""
-    import torch
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from opacus_fsdp_sync import PrivacyEngine
-
-    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
     model = _FailOnce()
     engine = PrivacyEngine()
-    gsm, opt, crit, loader = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        criterion=torch.nn.CrossEntropyLoss(),
-        data_loader=DataLoader(data, batch_size=16),  # expected 16: about 4 batches of 4
-        noise_multiplier=1.0,
-        max_grad_norm=0.1,
-        grad_sample_mode="ghost",
-    )
+    gsm, opt, crit, loader = _ghost(model, engine, 16, 1.0)  # about 4 batches of 4 a draw
     failed, before_failure = 0, 0
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as mem:
         for x, y in mem:

@@ -20,6 +20,7 @@ from torch import nn
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.errors import UnsupportedConfigurationError
 from opacus_fsdp_sync.layers.ownership import ParameterUseError
+from opacus_fsdp_sync.models.llama import LlamaSpec, build_llama
 from opacus_fsdp_sync.testing import per_sample_clipped_grads
 from tests.private import make_private
 
@@ -110,20 +111,10 @@ def test_a_parameter_no_hooked_call_owns_is_refused_at_make_private(model_cls, m
 
 
 def _tiny_llama(tied: bool, checkpointing: bool = False):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-        max_position_embeddings=32,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(config).double()
+    spec = LlamaSpec(preset="tiny", tie_word_embeddings=tied, dtype=torch.float64)
+    model = build_llama(spec)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -171,7 +162,7 @@ def test_a_use_outside_the_hooked_call_raises_at_the_first_step(model_cls, match
 
 def _lm_sample_loss(model, ids, labels):
     logits = model(input_ids=ids).logits
-    return nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 @pytest.mark.parametrize("options", OPTIONS[:2], ids=OPTION_IDS[:2])
@@ -199,7 +190,7 @@ def test_tied_llama_and_lora_on_q_v_still_match_the_clip_each_sample_loop(varian
         ref, norms = per_sample_clipped_grads(reference, _lm_sample_loss, x, y, C)
         assert (norms > C).all()  # clipping active for every sample
         logits = gsm(input_ids=x).logits
-        crit(logits.reshape(-1, V), y.reshape(-1), shape=(B, T)).backward()
+        crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=(B, T)).backward()
         opt.step()
         opt.zero_grad()
         with torch.no_grad():

@@ -12,11 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.distributed import TorchInternalsError
 from opacus_fsdp_sync.errors import UnsupportedConfigurationError
+from tests.private import make_private
 
 warnings.filterwarnings("ignore")
 
@@ -24,18 +24,9 @@ D = 8
 
 
 def _make_private(model: nn.Module, mode: str) -> str | None:
-    data = TensorDataset(torch.randn(8, D), torch.randint(0, D, (8,)))
+    data = (torch.randn(8, D), torch.randint(0, D, (8,)))
     try:
-        PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            criterion=nn.CrossEntropyLoss(),
-            data_loader=DataLoader(data, batch_size=8),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            grad_sample_mode=mode,
-            poisson_sampling=False,
-        )
+        make_private(PrivacyEngine(), model, data, 8, 1.0, mode, noise=1.0, lr=0.1)
     except UnsupportedConfigurationError as err:
         return str(err)
     except TorchInternalsError as err:

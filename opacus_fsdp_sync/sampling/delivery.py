@@ -3,14 +3,14 @@
 A data loader with ``num_workers > 0`` asks its batch sampler for the next batches before the
 training loop takes them (``num_workers x prefetch_factor`` ahead), so the shared sampler's
 :attr:`~.poisson.SharedPoissonSampler.handed_out` runs ahead of the draws the loop has used.
-The accountant counting each draw as it is handed out stays right (a draw fetched and never
-used is counted, an over-count). But the check for a second optimizer step on one draw
-(:meth:`~.poisson.SharedPoissonSampler.step_taken`) compared against ``handed_out``: in the
+The check for a second optimizer step on one draw
+(:meth:`~.poisson.SharedPoissonSampler.step_taken`) once compared against ``handed_out``: in the
 last steps of an epoch, when nothing is left to fetch, every step looked like a second one on
 its draw, each was counted once more and warned about. Here the loader counts the draws whose
-last batch it has given to the loop (:attr:`~.poisson.SharedPoissonSampler.delivered`), and
-the check reads that count instead, and the accountant the index of the draw the loop is on
-(:attr:`~.poisson.SharedPoissonSampler.current`).
+last batch it has given to the loop (:attr:`~.poisson.SharedPoissonSampler.delivered`) and
+the draw of the batch it gave last (:attr:`~.poisson.SharedPoissonSampler.in_loop`): the check
+reads the first, and the accountant (:mod:`.accounting`) counts a draw at the step on
+:attr:`~.poisson.SharedPoissonSampler.current`, never at its hand-out.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def count_delivered(
             per batch, in order).
     """
     # every draw handed out before this iterator counts as delivered: an abandoned iterator's
-    # fetched draws were counted by the accountant and are never used
+    # fetched draws are never used (the accountant counts them once the loop moves past them)
     sampler.delivered = sampler.handed_out
     for batch in batches():
         ends = ends_draw()
