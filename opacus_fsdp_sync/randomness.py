@@ -255,11 +255,12 @@ def shard_generator(generator, device: torch.device, coordinate: tuple[int, ...]
     return shard_generators(generator, device, [coordinate])[0]
 
 
-def shard_generators(generator, device: torch.device, coordinates: list[tuple[int, ...]]):
+def shard_generators(generator, device: torch.device, coordinates: list[tuple]):
     """:func:`shard_generator` for several coordinates of this rank, from one broadcast seed.
 
     Every rank must call it (once, whatever the number of coordinates). Equal coordinates give
-    equal streams on every rank; different ones independent streams.
+    equal streams on every rank; different ones independent streams. A coordinate is a tuple of
+    ints, or of such tuples (never strings: their hash differs between processes).
     """
     if generator is None:
         seed = os_seed()

@@ -33,6 +33,7 @@ meshes, process groups).
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -232,21 +233,35 @@ def _is_linear(kind: type | None) -> bool:
     return kind is not None and issubclass(kind, nn.Linear)
 
 
-def noise_keys(params) -> list[tuple]:
-    """Each parameter's noise-stream key: its coordinates on the mesh dims it is sharded over.
+def _mesh_structure(mesh) -> tuple:
+    """A mesh as ints every process hashes alike: its shape and its dims' names (CRC-32)."""
+    names = mesh.mesh_dim_names or ()
+    return tuple(mesh.mesh.shape), tuple(zlib.crc32(n.encode()) for n in names)
 
-    Parameters replicated over tp leave the tp coordinate out (one stream for all tp ranks);
-    parameters sharded over tp keep it after a marker (-1), so that the key differs from every
-    tp-replicated key. Plain tensors beside tp-sharded parameters (tensor parallelism alone) are
-    replicated over tp and share one stream. Keys are tuples of ints: their hash, which seeds
-    the stream, is the same in every process. Without tensor parallelism every key is the one
-    the FSDP2 optimizer always used (the coordinates along the sharded dims of the DTensor).
+
+def noise_keys(params) -> list[tuple]:
+    """Each parameter's noise-stream key: its mesh, and its coordinates on the dims it is sharded.
+
+    A key is ``(mesh, ((dim, coordinate), ...))`` for the mesh dims the parameter is sharded
+    over, the mesh named by its shape and dim names (not its ranks: the data-parallel sub-mesh
+    of two tp ranks holds the same replicas on other ranks). Parameters on meshes of another
+    shape never share a key: a 1-D mesh's coordinate ``(2,)`` and an HSDP mesh's shard
+    coordinate ``(0,)`` once gave two ranks one key over different parameters, so one rank's
+    noise was drawn again on another rank's other coordinates. Parameters replicated over tp
+    leave the tp coordinate out (one stream for all tp ranks); parameters sharded over tp keep
+    it after a marker (-1). Plain tensors beside tp-sharded parameters (tensor parallelism
+    alone) are replicated over tp and share one key; other plain tensors take their rank's own.
+    Keys hold ints only: their hash, which seeds the stream, is the same in every process. The
+    stream's seed also names the parameters it covers (see
+    :class:`~..optimizers.fsdp2.NoiseStreams`), so ranks share a stream only over the same
+    parameters.
     """
     from torch.distributed.tensor import DTensor
 
     # Plain parameters beside tp-sharded ones: tensor parallelism alone, where they are
-    # replicated over tp (one shared stream); otherwise each rank's own.
-    plain_key = () if any(tp_sharded(p) for p in params) else (dist.get_rank(),)
+    # replicated over tp, as the tp mesh's replicated DTensors are (one key for both)
+    tp_meshes = [p.device_mesh for p in params if tp_sharded(p)]
+    plain_key = (_mesh_structure(tp_meshes[0]), ()) if tp_meshes else (dist.get_rank(),)
     keys = []
     for p in params:
         if not isinstance(p, DTensor):
@@ -254,11 +269,12 @@ def noise_keys(params) -> list[tuple]:
             continue
         coord = p.device_mesh.get_coordinate() or ()
         tp = set(_tp_dims(p))
-        key = tuple(
-            c
+        sharded = tuple(
+            (i, c)
             for i, (c, pl) in enumerate(zip(coord, p.placements))
             if not pl.is_replicate() and i not in tp
         )
+        key = (_mesh_structure(p.device_mesh), sharded)
         if tp_sharded(p):
             key = key + (_TP_MARK,) + tuple(coord[i] for i in sorted(tp))
         keys.append(key)

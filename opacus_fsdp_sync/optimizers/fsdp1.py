@@ -41,7 +41,7 @@ class FSDP1DPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping):
         """Fresh per-rank streams from OS entropy (collective); secure noise has no stream."""
         if self.secure_mode:
             return
-        self._drop_prefetched()
+        self.drop_noise_ahead()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shard_generator(None, device, (dist.get_rank(),))
 

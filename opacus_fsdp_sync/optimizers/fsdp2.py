@@ -3,9 +3,10 @@
 Opacus's FSDP optimizer draws, on every rank, noise of each parameter's *global* shape (plus a
 global-size zeros tensor) and keeps the local slice: ``world_size`` times the Gaussian samples a
 step needs, and a full-size temporary per parameter. This optimizer draws exactly the local
-shard's noise, from a stream per shard (rank 0's seed mixed with the rank's coordinate along the
-sharded mesh dimensions): every coordinate of the global gradient gets one independent draw even
-when every rank was seeded identically, and replicas of a shard (HSDP) draw the same noise. It
+shard's noise, from a stream per shard (rank 0's seed mixed with the shard's key: its mesh, its
+coordinates along the sharded mesh dimensions and the parameters the stream covers): every
+coordinate of the global gradient gets one independent draw even when every rank was seeded
+identically, and replicas of a shard (HSDP) draw the same noise. It
 also skips the gradient copy when the step is not accumulated.
 """
 
@@ -38,11 +39,18 @@ class NoiseStreams:
     def __init__(self, generator, device: torch.device, params: list) -> None:
         keys = noise_keys(params)
         self.keys = list(dict.fromkeys(keys))  # first-seen order
-        self.generators = shard_generators(generator, device, self.keys)
         index = {k: i for i, k in enumerate(self.keys)}
         self.members = [[] for _ in self.keys]
         for i, k in enumerate(keys):
             self.members[index[k]].append(i)
+        # each stream's seed names its key and the parameters it covers (indices and local
+        # shapes): ranks share a stream only where they hold the same shards of the same ones
+        shapes = [tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape) for p in params]
+        seeds = [
+            (k, tuple(idx), tuple(shapes[i] for i in idx))
+            for k, idx in zip(self.keys, self.members)
+        ]
+        self.generators = shard_generators(generator, device, seeds)
 
     def draw(self, layout: tuple[tuple, ...], std: float) -> list[torch.Tensor]:
         """Noise for each entry of ``layout`` (one per parameter), each from its key's stream."""
@@ -105,7 +113,7 @@ class ShardedNoiseFSDPOptimizer(FlatNoiseStep, FSDPOptimizerFastGradientClipping
 
     def reseed_noise(self) -> None:
         """Fresh per-shard streams from OS entropy (collective); noise drawn ahead is dropped."""
-        self._drop_prefetched()
+        self.drop_noise_ahead()
         self._seed_streams(None)
 
     @torch.no_grad()

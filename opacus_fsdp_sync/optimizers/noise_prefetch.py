@@ -102,7 +102,8 @@ class NoisePrefetch:
         self.std = std
         self.layout = layout
         cuda = [device for (_, _, device) in layout if device.type == "cuda"]
-        self._ahead = DrawAhead(
+        #: The draw itself (:meth:`DrawAhead.result` waits for it).
+        self.ahead = DrawAhead(
             lambda: draw(layout, std),
             cuda[0] if cuda else torch.device("cpu"),
         )
@@ -115,7 +116,7 @@ class NoisePrefetch:
         Raises:
             BaseException: whatever the background draw raised.
         """
-        views = self._ahead.result()
+        views = self.ahead.result()
         if std != self.std and views:
             torch._foreach_mul_(views, std / self.std)
         return views

@@ -100,6 +100,32 @@ class ScaledWithNoise:
     def prefetch_noise(self) -> None:
         """Nothing by default (the noise is drawn at step time)."""
 
+    def _ahead(self):
+        """The pending draw's :class:`~.noise_prefetch.DrawAhead`, or None."""
+        return None if self._prefetched is None else self._prefetched.ahead
+
+    def settle_noise(self) -> None:
+        """Waits for noise drawn ahead and keeps it for the step.
+
+        The generators' state then includes the draw, whenever the drawing thread ran: a
+        checkpoint saved now resumes after it (never drawing it again), and is not read while
+        the thread is between two draws.
+        """
+        ahead = self._ahead()
+        if ahead is not None:
+            ahead.result()
+
+    def drop_noise_ahead(self) -> None:
+        """Waits for noise drawn ahead and discards it (before a generator's state is replaced).
+
+        A draw kept across a state load would be added at the next step, and the loaded state
+        would then draw it again one step later: the same noise twice.
+        """
+        ahead = self._ahead()
+        self._prefetched = None
+        if ahead is not None:
+            ahead.result()
+
     def reseed_noise(self) -> None:
         """Restarts every noise stream from OS entropy, dropping noise drawn ahead.
 
@@ -209,12 +235,6 @@ class FlatNoiseStep(ScaledWithNoise):
             for state in self._param_states()[1]:
                 state["summed_grad"] = None
         self.original_optimizer.zero_grad(set_to_none)
-
-    def _drop_prefetched(self) -> None:
-        """Joins and discards noise drawn ahead (before the generator is replaced)."""
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None:
-            prefetched.take(prefetched.std)
 
     def prefetch_noise(self) -> None:
         """Starts drawing the step's noise now, to overlap the rest of the backward.

@@ -35,6 +35,12 @@ class DPOptimizerOps(Protocol):
     def reseed_noise(self) -> None:
         """Restarts every noise stream from OS entropy (collective), dropping draws ahead."""
 
+    def settle_noise(self) -> None:
+        """Waits for noise drawn ahead, keeping it (before the streams' state is read)."""
+
+    def drop_noise_ahead(self) -> None:
+        """Waits for noise drawn ahead and discards it (before the streams' state is set)."""
+
 
 #: Opacus's optimizers whose ranks must share one noise stream (replicas stay equal).
 _DISTRIBUTED = (
@@ -59,6 +65,12 @@ class OpacusOptimizerOps:
 
     def prefetch_noise(self) -> None:
         """Nothing: Opacus draws its noise at step time."""
+
+    def settle_noise(self) -> None:
+        """Nothing: no noise is drawn ahead."""
+
+    def drop_noise_ahead(self) -> None:
+        """Nothing: no noise is drawn ahead."""
 
     def reseed_noise(self) -> None:
         """A fresh generator from OS entropy, the same on every rank (collective).

@@ -71,11 +71,13 @@ class SharedNoiseDPOptimizer(ScaledWithNoise, DPOptimizerFastGradientClipping):
 
     def reseed_noise(self) -> None:
         """A fresh shared stream from OS entropy on rank 0 (collective); drops noise drawn ahead."""
-        pending, self._prefetched = self._prefetched, None
-        if pending is not None:
-            pending[1].result()
+        self.drop_noise_ahead()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.generator = shared_generator(None, device)
+
+    def _ahead(self):
+        """The pending draw (``(std, DrawAhead)`` here), or None."""
+        return None if self._prefetched is None else self._prefetched[1]
 
     def _draw(self, std: float) -> list[torch.Tensor]:
         """One noise tensor per parameter, in parameter order (Opacus's own draw, at ``std``)."""

@@ -156,6 +156,8 @@ def dp_state(engine, optimizer) -> dict:
     """
     rank, world = _rank_world()
     sampler, gen = engine.sampler, engine.loader_generator
+    # a draw ahead in flight would leave the streams' state at whatever point its thread is
+    optimizer_ops(optimizer).settle_noise()
     return {
         "version": DP_STATE_VERSION,
         "rank": rank,
@@ -258,6 +260,8 @@ def restore_dp_state(
             version.
     """
     check_dp_state(state, engine, optimizer, fresh_noise=fresh_noise)
+    # noise drawn ahead from the streams being replaced must not be added after the load
+    optimizer_ops(optimizer).drop_noise_ahead()
     engine.accountant.load_state_dict(state["accountant"])
     if engine.draw_account is not None:  # draws of the run before the load: not this line's
         engine.draw_account.reset()
