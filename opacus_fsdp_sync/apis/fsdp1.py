@@ -157,16 +157,41 @@ def _sharded(inner, *, generator, secure_mode: bool, **kwargs):
     return FSDP1DPOptimizer(inner, generator=generator, secure_mode=secure_mode, **kwargs)
 
 
+def check_comm_hook(root: nn.Module) -> None:
+    """Refuses an FSDP1 communication hook that may not average the clipped gradients.
+
+    The DP optimizers add noise of std ``sigma * C / B`` to gradients they take as averaged
+    over the ranks; a hook that sums, rounds to 16 bits or divides by another factor changes
+    the effective noise multiplier silently (see
+    :func:`~..distributed._fsdp1_internals.comm_hook_refusals`). Read at ``make_private`` only.
+
+    Raises:
+        UnsupportedConfigurationError: naming each hook and its state.
+    """
+    refused = internals.comm_hook_refusals(root)
+    if refused:
+        raise UnsupportedConfigurationError(
+            f"FSDP1 communication hook(s) {listing(refused)} may not average the clipped "
+            "gradients over the ranks: the DP noise (std sigma * C / B) is calibrated for the "
+            "average, so a hook that sums, compresses or divides by another factor changes the "
+            "effective noise multiplier silently. Register no hook (FSDP1's own reduction "
+            "averages), or torch's default_hooks.allreduce_hook / reduce_scatter_hook with "
+            "DefaultState(<the FSDP process group>); do not register one after make_private."
+        )
+
+
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Sharded noise per held shard, or one shared draw for ``NO_SHARD`` replicas.
 
     Raises:
         UnsupportedConfigurationError: for what FSDP1 cannot run (see :func:`_controller`),
-            mixed strategies, or ``NO_SHARD`` with ``secure_mode``.
+            a communication hook that may not average (:func:`check_comm_hook`), mixed
+            strategies, or ``NO_SHARD`` with ``secure_mode``.
     """
     _controller(
         modules, enabled=options.sync_optimization, restricted=options.restricted_first_pass
     )
+    check_comm_hook(modules[0])
     strategies = internals.sharding_strategies(modules[0])
     if len(strategies) > 1:
         raise UnsupportedConfigurationError(

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..distributed import _fsdp2_handoff_internals as handoff_internals
 from ..distributed import _fsdp2_internals as internals
+from ..distributed import _fsdp2_reduction_internals as reduction_internals
 from ..distributed import version_gate
 from ..distributed.layout import listing, world_size
 from ..distributed.tensor_parallel import as_param_grad
@@ -67,6 +68,8 @@ class FSDP2Controller:
 
         Raises:
             FSDPInternalsError: when an earlier failed step could not be cleaned up.
+            UnsupportedConfigurationError: when the user turned gradient sync off on a unit
+                (FSDP2's own accumulation), before anything is changed.
         """
         if self._broken is not None:
             raise internals.FSDPInternalsError(
@@ -76,7 +79,23 @@ class FSDP2Controller:
                 feature=self._broken.feature,
             ) from self._broken
         groups = list(internals.iter_param_groups(self.modules))
-        self._saved_flags = [(g, internals.get_sync_flags(g)) for g in groups]
+        saved = [(g, internals.get_sync_flags(g)) for g in groups]
+        off = [
+            setter
+            for i, setter in enumerate(("set_requires_gradient_sync", "set_requires_all_reduce"))
+            if not all(flags[i] for _, flags in saved)
+        ]
+        if off:
+            raise UnsupportedConfigurationError(
+                f"FSDP2 gradient accumulation ({' and '.join(f'{s}(False)' for s in off)}) is "
+                "not supported with ghost clipping: the private step "
+                "would release this backward's clipped gradients unreduced (the update carried "
+                "only noise) and add them to a later step's, two draws under one noise draw. "
+                "Turn sync back on before the backward (set_requires_gradient_sync(True), "
+                "set_requires_all_reduce(True)); to split a large expected batch, raise the "
+                "DataLoader's batch_size and use BatchMemoryManager."
+            )
+        self._saved_flags = saved
         for g in groups:
             internals.set_sync_flags(g, (False, False))
         if self.keep_unsharded:  # the second backward then needs no all-gather
@@ -310,29 +329,31 @@ def _refuse_secure_replicas(modules: list[nn.Module]) -> None:
 
 
 def check_reduction(modules: list[nn.Module]) -> None:
-    """Refuses FSDP2 units whose gradient reduction is not FSDP2's default average.
+    """Refuses FSDP2 units whose gradient reduction may not be FSDP2's default average.
 
     Every DP optimizer here (and Opacus's) adds noise of std ``sigma * C / B`` to gradients it
     takes as averaged over the data-parallel ranks. ``set_gradient_divide_factor`` (or the older
     ``set_reduce_scatter_divide_factor``) changes that divisor (1.0 on 2 ranks doubles the
-    update and halves the effective noise multiplier); ``set_force_sum_reduction_for_comms`` is
-    refused with it, as not checked to average. HSDP's default (2-D mesh) passes. Read at
-    ``make_private`` only: changing either afterwards is not supported.
+    update and halves the effective noise multiplier); ``set_custom_reduce_scatter`` and
+    ``set_all_reduce_hook`` run the user's code on the reduction, which cannot be checked to
+    average. HSDP's default (2-D mesh) and ``set_force_sum_reduction_for_comms(True)`` alone
+    (torch sums, then divides by the data-parallel size) pass. Read at ``make_private`` only:
+    changing any of them afterwards is not supported.
 
     Raises:
         UnsupportedConfigurationError: naming each unit and what is set.
         FSDPInternalsError: if this torch does not have the attributes read.
     """
-    overrides = internals.reduction_overrides(modules)
+    overrides = reduction_internals.reduction_overrides(modules)
     if overrides:
         raise UnsupportedConfigurationError(
             "FSDP2 gradient reduction other than the default average on unit(s) "
             f"{listing([f'{name!r} ({how})' for name, how in overrides])}: the DP noise (std "
             "sigma * C / B) is calibrated for gradients averaged over the data-parallel ranks, "
-            "so another divisor (or a reduction not checked to average) changes the effective "
-            "noise multiplier silently. Leave FSDP2's "
-            "default averaging: do not call set_gradient_divide_factor, "
-            "set_reduce_scatter_divide_factor or set_force_sum_reduction_for_comms(True) (and do "
+            "so another divisor, or user code on the reduction, changes the effective noise "
+            "multiplier silently. Leave FSDP2's default averaging: do not call "
+            "set_gradient_divide_factor, set_reduce_scatter_divide_factor, "
+            "set_custom_reduce_scatter or set_all_reduce_hook on a unit of a private model (and do "
             "not call them after make_private either, which is not supported)."
         )
 

@@ -79,10 +79,21 @@ def one_backward_blocker(ddp: nn.Module) -> str | None:
     return None
 
 
+def _same_group(state, ddp_group) -> bool:
+    """Whether ``allreduce_hook``'s state reduces over DDP's ranks (None means the world)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if state is None else state
+    if not isinstance(group, dist.ProcessGroup):
+        return False
+    return dist.get_process_group_ranks(group) == dist.get_process_group_ranks(ddp_group)
+
+
 def comm_hook_refusal(ddp: nn.Module) -> tuple[str, str] | None:
     """The DDP communication hook that may not average clipped gradients, and why; or None.
 
-    Passes: no hook, torch's ``default_hooks.allreduce_hook`` and the averaging hook DDP
+    Passes: no hook, torch's ``default_hooks.allreduce_hook`` (with no state, or DDP's own
+    ranks' process group as its state) and the averaging hook DDP
     registers itself for ``mixed_precision``. Everything else is named: the 16-bit compress
     hooks (they round each rank's clipped sum before the noise is added, so the sum of the
     rounded parts can exceed the clipping bound), PowerSGD (its error feedback carries each
@@ -109,12 +120,17 @@ def comm_hook_refusal(ddp: nn.Module) -> tuple[str, str] | None:
             default_hooks.allreduce_hook,
             mixed_precision_hooks._reducer_allreduce_and_upcast_hook,
         )
-        hooks = [hook for hook, _ in ddp._comm_hooks]
+        hooks = list(ddp._comm_hooks)
         builtin = None if hooks else ddp._get_ddp_logging_data().get("comm_hook")
     if builtin is not None:
         return str(builtin), "a built-in (C++) hook, which cannot be inspected"
-    for hook in hooks:
+    for hook, state in hooks:
         name = getattr(hook, "__qualname__", None) or repr(hook)
+        if hook is default_hooks.allreduce_hook and not _same_group(state, ddp.process_group):
+            return name, (
+                "its state is a process group other than DDP's, so it averages over some "
+                "ranks only: the ranks' updates differ, and the noise is scaled for all of them"
+            )
         if hook in averaging:
             continue
         if hook in (psgd.powerSGD_hook, psgd.batched_powerSGD_hook):

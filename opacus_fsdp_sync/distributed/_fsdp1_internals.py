@@ -93,6 +93,59 @@ def uses_orig_params(root: nn.Module) -> bool:
     return all(flags)
 
 
+def _averages(hook, state, group) -> bool:
+    """Whether an FSDP1 hook is torch's plain one with a state that divides by ``group``'s size."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms._comm_hooks import default_hooks as hooks
+
+    if hook not in (hooks.allreduce_hook, hooks.reduce_scatter_hook):
+        return False
+    if type(state) is not hooks.DefaultState:
+        return False
+    if dist.get_process_group_ranks(state.process_group) != dist.get_process_group_ranks(group):
+        return False
+    pre, post = state.gradient_predivide_factor, state.gradient_postdivide_factor
+    divisor = (pre if pre > 1 else 1.0) * (post if post > 1 else 1.0)
+    return abs(divisor - dist.get_world_size(group)) < 1e-9
+
+
+def comm_hook_refusals(root: nn.Module) -> list[str]:
+    """Each FSDP1 communication hook under ``root`` that may not average over the unit's ranks.
+
+    Passes: no hook (FSDP1's own average), and torch's ``allreduce_hook`` /
+    ``reduce_scatter_hook`` with a ``DefaultState`` of the unit's process group whose two
+    divide factors multiply to its size. Everything else is named: the 16-bit compress hooks
+    (each rank's clipped sum rounded before the noise), a state with other factors or another
+    group, and any other hook (it may sum or keep state).
+
+    Returns:
+        One ``"<hook> (<state>)"`` entry per distinct hook and state.
+
+    Raises:
+        FSDPInternalsError: if a unit lacks ``_comm_hook`` / ``_comm_hook_state``.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: list[str] = []
+    for m in root.modules():
+        if not isinstance(m, FSDP):
+            continue
+        with version_gate.private_access(
+            "the check of FSDP1's communication hook (make_private)",
+            "FullyShardedDataParallel._comm_hook / _comm_hook_state / process_group",
+            "Install a tested torch release; this privacy check cannot be turned off.",
+            cls=FSDPInternalsError,
+        ):
+            hook, state, group = m._comm_hook, m._comm_hook_state, m.process_group
+        if hook is None or _averages(hook, state, group):
+            continue
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        entry = f"{name} ({type(state).__name__})"
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
 # --- Gradient access (opacus_fsdp_sync.grad_access) ---------------------------------------
 
 

@@ -277,35 +277,6 @@ def unsharded_bytes(modules: list[nn.Module]) -> int:
     return total
 
 
-def reduction_overrides(modules: list[nn.Module]) -> list[tuple[str, str]]:
-    """Each FSDP2 module under ``modules`` whose reduction is not FSDP2's default average.
-
-    Returns:
-        ``(module name, what is set)`` pairs in module order (an outermost unit by its class):
-        an ``FSDPParamGroup.gradient_divide_factor`` not None, or ``force_sum_reduction_for_comms``.
-
-    Raises:
-        FSDPInternalsError: if a group lacks either attribute (the check cannot be skipped).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    out: list[tuple[str, str]] = []
-    for root in modules:
-        for name, m in root.named_modules():
-            for g in param_groups(m) if isinstance(m, FSDPModule) else ():
-                with version_gate.private_access(
-                    "the check of FSDP2's gradient reduction (make_private)",
-                    "FSDPParamGroup.gradient_divide_factor / force_sum_reduction_for_comms",
-                    "Install a tested torch release; this privacy check cannot be turned off.",
-                    cls=FSDPInternalsError,
-                ):
-                    factor, force = g.gradient_divide_factor, g.force_sum_reduction_for_comms
-                how = f"gradient_divide_factor={factor}, force_sum_reduction_for_comms={force}"
-                if (factor is not None or force) and (name or type(m).__name__, how) not in out:
-                    out.append((name or type(m).__name__, how))
-    return out
-
-
 # --- Gradient access (opacus_fsdp_sync.grad_access) ------------------------------------------
 
 
