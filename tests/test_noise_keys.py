@@ -9,6 +9,7 @@ replicas, drawing at different offsets, drifted apart.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opacus_fsdp_sync.testing import run_ranks
@@ -28,6 +29,7 @@ def _distinct_shards(results: list[dict], case: str, replica: int) -> list[torch
     return out
 
 
+@pytest.mark.distributed
 def test_mixed_mesh_noise_is_independent_across_shards_and_equal_on_replicas():
     results = run_ranks(wk.mixed_meshes, WORLD, timeout=300)
     for case in wk.CASES:
@@ -44,3 +46,14 @@ def test_mixed_mesh_noise_is_independent_across_shards_and_equal_on_replicas():
                 assert replica["coordinate"][1] == entry["coordinate"][1]
                 assert torch.equal(replica["noise"], entry["noise"]), (case, name, rank)
                 assert torch.equal(replica["after"], entry["after"]), (case, name, rank)
+
+
+@pytest.mark.distributed
+def test_meshes_of_one_shape_draw_independent_noise_for_their_parameters():
+    """Ranks 0 and 1 hold coordinate 0 of two different meshes of one shape: the stream keys
+    agree, and only the parameters each stream covers keep their draws apart."""
+    results = run_ranks(wk.same_shape_meshes, 2, timeout=300)
+    values = torch.cat([e["noise"] for res in results for e in res["reversed"].values()])
+    repeated = values.numel() - torch.unique(values).numel()
+    assert values.numel() > 10_000
+    assert repeated < values.numel() // 100, (repeated, values.numel())

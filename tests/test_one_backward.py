@@ -106,14 +106,6 @@ def test_loss_terms_outside_the_hooked_layers_fall_back_to_two_passes(data):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dtype, tol", [("fp32", TOL), ("bf16", 1e-3)])
-def test_fsdp2_user_accumulation_without_sync_is_kept(dtype, tol):
-    for res in run_ranks(w1.unsynced_microbatch_then_synced, 2, dtype, timeout=300):
-        assert res["moved"] > 1e-3
-        assert res["one_vs_two"] <= tol
-
-
-@pytest.mark.distributed
 def test_fsdp2_handoff_reduces_one_group_at_a_time():
     """At each group's post-backward only that group's unsharded gradients exist."""
     for res in run_ranks(w1.handoff_group_by_group, 2, timeout=300):

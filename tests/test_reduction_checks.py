@@ -9,6 +9,7 @@ subgroup leaves the ranks' updates apart, each with noise scaled for all of them
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opacus_fsdp_sync.testing import run_ranks
@@ -17,6 +18,7 @@ from tests import workers_reduction as wr
 _FIX = "default averaging"
 
 
+@pytest.mark.distributed
 def test_fsdp2_divide_factor_custom_comm_and_hooks_are_refused_defaults_pass():
     for res in run_ranks(wr.fsdp2_cases, 2, timeout=120):
         for case in ("default", "hsdp_default", "force_sum", "pg_alloc"):
@@ -34,12 +36,16 @@ def test_fsdp2_divide_factor_custom_comm_and_hooks_are_refused_defaults_pass():
             assert "after make_private" in msg, msg
         assert "'0'" not in res["divide_1"] and "'2'" not in res["divide_1"]  # the root only
         assert "set_custom_reduce_scatter(" not in res["divide_1"], res["divide_1"]
+        msg = res["sub_mesh"]
+        assert msg and msg.startswith(f"FSDP2 units on a mesh that does not span all {2} ranks")
+        assert "mesh of 1 ranks" in msg and "'tp'" in msg, msg
         for case in ("missing_attr", "missing_hook_attr"):
             assert res[case].startswith("internals: "), res[case]
             assert torch.__version__ in res[case], res[case]
             assert "force_sum_reduction_for_comms" in res[case], res[case]
 
 
+@pytest.mark.distributed
 def test_fsdp2_force_sum_alone_still_averages():
     """torch sums and then divides by the data-parallel size: the same noised update."""
     for res in run_ranks(wr.fsdp2_force_sum_step, 2, timeout=120):
@@ -47,6 +53,7 @@ def test_fsdp2_force_sum_alone_still_averages():
         assert res["max_diff"] < 1e-6, res
 
 
+@pytest.mark.distributed
 def test_fsdp1_hooks_other_than_averaging_are_refused():
     for res in run_ranks(wr.fsdp1_cases, 2, timeout=120):
         for case in ("none", "reduce_scatter", "allreduce_no_shard"):
@@ -63,6 +70,7 @@ def test_fsdp1_hooks_other_than_averaging_are_refused():
         assert "_comm_hook" in res["missing_attr"], res["missing_attr"]
 
 
+@pytest.mark.distributed
 def test_ddp_hooks_other_than_averaging_are_refused():
     for res in run_ranks(wr.ddp_cases, 2, timeout=120):
         for case in ("none", "allreduce", "allreduce_world"):
@@ -80,8 +88,11 @@ def test_ddp_hooks_other_than_averaging_are_refused():
             assert "allreduce_hook" in msg and "after make_private" in msg, msg
         assert res["missing_attr"].startswith("internals: "), res["missing_attr"]
         assert torch.__version__ in res["missing_attr"]
+        msg = res["ddp_on_subgroup"]
+        assert msg and msg.startswith("DDP on a process group of 1 of the 2 ranks"), msg
 
 
+@pytest.mark.distributed
 def test_fsdp2_sync_turned_off_is_refused_before_anything_changes():
     """FSDP2's own accumulation (sync off) kept this backward's clipped gradients unreduced and
     added them to the next step's: that step moved 0.06 away from a run without the backward."""

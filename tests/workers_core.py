@@ -237,8 +237,7 @@ def failure_recovery(rank: int, world: int) -> dict:
     _, norms0 = per_sample_clipped_grads(copy.deepcopy(base), toy_sample_loss, x[:b], y[:b], 1.0)
     C = norms0.median().item()
     model = _shard(copy.deepcopy(base), world, "fp32")
-    # A user setting that must come back as it was (not as a hard-coded True).
-    model.blocks[0].set_requires_gradient_sync(False, recurse=False)
+    # (sync turned off by the user is refused before the first pass: tests/test_reduction_checks)
     gsm, opt, crit, _ = _make_private(PrivacyEngine(), model, x, y, world, C, "ghost_fsdp")
     lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
     Tripwire.armed = True
@@ -251,7 +250,6 @@ def failure_recovery(rank: int, world: int) -> dict:
         Tripwire.armed = False
     holds, flags = _groups_state(model)
     after_failure = dict(error=error, holds=holds, flags=flags, hooks_enabled=gsm.hooks_enabled)
-    model.blocks[0].set_requires_gradient_sync(True, recurse=False)
     opt.zero_grad()
     ref = copy.deepcopy(base)
     for s in range(2):

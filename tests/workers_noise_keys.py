@@ -23,6 +23,9 @@ CASES = {
     "hsdp_first": ({"l1": "hsdp", "l2": "hsdp", "l3": "flat"}, "hsdp"),
     "flat_first": ({"l1": "flat", "l2": "hsdp", "l3": "hsdp"}, "flat"),
 }
+#: Two meshes of one shape and no names, ranks in opposite orders: ranks 0 and 1 have equal
+#: coordinates on different meshes, so only the parameters a stream covers tell them apart.
+SAME_SHAPE = {"reversed": ({"l1": "flat", "l2": "flat", "l3": "reversed"}, "reversed")}
 
 
 def _drawing_optimizer(opt):
@@ -34,14 +37,22 @@ def _drawing_optimizer(opt):
     return inner
 
 
-def _one_step(case: str, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _meshes(world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    meshes = {
+    return {
         "flat": init_device_mesh("cpu", (world,)),
         "hsdp": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")),
+        # the same shape as "flat", its ranks in reverse order: rank r has coordinate world-1-r
+        "reversed": DeviceMesh("cpu", torch.arange(world - 1, -1, -1)),
     }
+
+
+def _one_step(case: str, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    meshes = _meshes(world)
     units, root = CASES[case]
     model = _base()
     for name, mesh in units.items():
@@ -80,3 +91,10 @@ def mixed_meshes(rank: int, world: int) -> dict:
     """One noised step per case of :data:`CASES`."""
     logging.disable(logging.WARNING)
     return {case: _one_step(case, world) for case in CASES}
+
+
+def same_shape_meshes(rank: int, world: int) -> dict:
+    """One noised step per case of :data:`SAME_SHAPE` (2 ranks)."""
+    logging.disable(logging.WARNING)
+    CASES.update(SAME_SHAPE)
+    return {case: _one_step(case, world) for case in SAME_SHAPE}

@@ -91,30 +91,6 @@ def one_backward_fsdp2(rank: int, world: int) -> dict:
     return out
 
 
-def unsynced_microbatch_then_synced(rank: int, world: int, dtype: str) -> dict:
-    """The user's own FSDP2 accumulation (sync off, then on): one backward equals two passes."""
-    from tests.workers_core import _make_private
-
-    torch.manual_seed(0)
-    base = ToyNet()
-    x, y = _data(world, 2)
-    b = B_LOCAL * world
-    out = {}
-    for one in (True, False):
-        model = _shard(copy.deepcopy(base), world, dtype)
-        gsm, opt, crit, _ = _make_private(
-            PrivacyEngine(one_backward=one), model, x, y, world, 0.5, "ghost_fsdp"
-        )
-        lo, hi = rank * B_LOCAL, (rank + 1) * B_LOCAL
-        for m in range(2):
-            model.set_requires_gradient_sync(m == 1)
-            crit(gsm(x[m * b : (m + 1) * b][lo:hi]), y[m * b : (m + 1) * b][lo:hi]).backward()
-        opt.step()
-        out[one] = _full_params(model)
-    start = {n: p.detach().float() for n, p in base.named_parameters()}
-    return {"one_vs_two": _max_diff(out[True], out[False]), "moved": _max_diff(out[True], start)}
-
-
 def handoff_group_by_group(rank: int, world: int) -> dict:
     """Which groups hold unsharded gradients each time FSDP2's post-backward runs.
 

@@ -48,6 +48,7 @@ def fsdp2_cases(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    stages = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
 
     def sharded(setup=None, device_mesh=mesh):
         model = _blocks()
@@ -89,6 +90,8 @@ def fsdp2_cases(rank: int, world: int) -> dict:
         "all_reduce_hook": lambda: sharded(lambda m: m[0].set_all_reduce_hook(_double)),
         "missing_attr": lambda: sharded(drop_attr),
         "missing_hook_attr": lambda: sharded(drop_hook_attr),
+        # pipeline-like stages: each rank its own 1-rank data-parallel sub-mesh
+        "sub_mesh": lambda: sharded(device_mesh=stages["dp"]),
     }
     return {name: _make_private(build(), "ghost_fsdp") for name, build in cases.items()}
 
@@ -235,6 +238,9 @@ def ddp_cases(rank: int, world: int) -> dict:
         ),
         "allreduce_subgroup": lambda: ddp(
             lambda m: m.register_comm_hook(own, default_hooks.allreduce_hook)
+        ),
+        "ddp_on_subgroup": lambda: nn.parallel.DistributedDataParallel(
+            _blocks(), process_group=own
         ),
         "sum": lambda: ddp(lambda m: m.register_comm_hook(None, _sum_hook)),
         "powersgd": lambda: ddp(powersgd),

@@ -222,12 +222,36 @@ def check_comm_hook(ddp: nn.Module) -> None:
         )
 
 
+def check_process_group(ddp: nn.Module) -> None:
+    """Refuses DDP on a process group of fewer ranks than the world.
+
+    The DP optimizers scale the noise for gradients averaged over every rank (and share one
+    draw over all of them); DDP on a subgroup averages over that subgroup only, so each
+    update carries less noise than the accountant's.
+
+    Raises:
+        UnsupportedConfigurationError: naming the group's size and the world's.
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(ddp.process_group)
+    if len(ranks) != dist.get_world_size():
+        raise UnsupportedConfigurationError(
+            f"DDP on a process group of {len(ranks)} of the {dist.get_world_size()} ranks: the "
+            "DP noise is scaled for gradients averaged over every rank, and this group averages "
+            "over fewer, so each update would carry less noise than the accountant counts. "
+            "Build DistributedDataParallel over all ranks (process_group=None)."
+        )
+
+
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """The shared-noise optimizer behind the activations-only pass (gradients arrive averaged).
 
-    Every call first refuses a communication hook that may not average (:func:`check_comm_hook`).
+    Every call first refuses a communication hook that may not average (:func:`check_comm_hook`)
+    and a process group that leaves ranks out (:func:`check_process_group`).
     """
     check_comm_hook(modules[0])
+    check_process_group(modules[0])
     if options.sync_optimization and not secure_mode and options.restricted_first_pass:
         _controller(modules, enabled=True, restricted=True)  # raises early (static_graph)
         return shared_noise_optimizer

@@ -25,11 +25,10 @@ from torch import nn
 
 from ..distributed import _fsdp2_handoff_internals as handoff_internals
 from ..distributed import _fsdp2_internals as internals
-from ..distributed import _fsdp2_reduction_internals as reduction_internals
 from ..distributed import version_gate
-from ..distributed.layout import listing, world_size
 from ..distributed.tensor_parallel import as_param_grad
 from ..errors import UnsupportedConfigurationError, attach_cleanup_error
+from . import fsdp2_checks as checks
 from .api import FSDP2, ApiRecord, Capabilities
 from .single import NullController
 
@@ -39,7 +38,9 @@ logger = logging.getLogger("opacus_fsdp_sync")
 class FSDP2Controller:
     """FSDP2 (``fully_shard``): no reduce-scatter in the first pass, nothing of it kept.
 
-    ``begin_first_pass`` saves each parameter group's sync flags and sets them off (and, with
+    ``begin_first_pass`` refuses a unit whose sync the user turned off (FSDP2's own gradient
+    accumulation: its clipped gradients would reach a later step unreduced), saves each
+    parameter group's sync flags and sets them off (and, with
     ``keep_unsharded``, its reshard-after-backward flag, so that the second backward finds every
     unit unsharded and issues no all-gather), moves any
     unsharded gradient the user accumulated aside, and hooks every unsharded parameter so that
@@ -289,75 +290,6 @@ def _opacus_fsdp(inner, *, generator, secure_mode: bool, dp_degree: int, **kwarg
     )
 
 
-def replicated_parameters(modules: list[nn.Module]) -> list[str]:
-    """Trainable parameters that several ranks hold whole: replicated over a mesh dimension.
-
-    HSDP's replicate dimension, a ``(world, 1)`` no-shard mesh, torch's FSDP-based
-    ``replicate``: each such coordinate lives on more than one rank.
-    """
-    from torch.distributed.tensor import DTensor
-
-    seen, out = set(), []
-    for unit in modules:
-        for name, p in unit.named_parameters():
-            if id(p) in seen or not p.requires_grad or not isinstance(p, DTensor):
-                continue
-            seen.add(id(p))
-            mesh = p.device_mesh
-            if any(pl.is_replicate() and mesh.size(i) > 1 for i, pl in enumerate(p.placements)):
-                out.append(name)
-    return out
-
-
-def _refuse_secure_replicas(modules: list[nn.Module]) -> None:
-    """Refuses ``secure_mode`` where ranks hold the same coordinates (each would noise its own).
-
-    Opacus's secure optimizer draws from ``/dev/urandom`` on each rank, so the replicas of a
-    coordinate would add different noise and drift apart: each next gradient, averaged over
-    the replicas, comes from models that differ, which the accountant's one noised update per
-    step does not describe.
-    """
-    replicated = replicated_parameters(modules)
-    if replicated:
-        raise UnsupportedConfigurationError(
-            f"secure_mode with {len(replicated)} trainable parameter(s) replicated over ranks "
-            f"({listing(replicated)}): each replica would add its own secure noise, so the "
-            "replicas drift apart and the noise is not the accountant's. Shard every "
-            'parameter (fully_shard over a 1-D mesh, or strategy="full"), or run without '
-            "secure_mode."
-        )
-
-
-def check_reduction(modules: list[nn.Module]) -> None:
-    """Refuses FSDP2 units whose gradient reduction may not be FSDP2's default average.
-
-    Every DP optimizer here (and Opacus's) adds noise of std ``sigma * C / B`` to gradients it
-    takes as averaged over the data-parallel ranks. ``set_gradient_divide_factor`` (or the older
-    ``set_reduce_scatter_divide_factor``) changes that divisor (1.0 on 2 ranks doubles the
-    update and halves the effective noise multiplier); ``set_custom_reduce_scatter`` and
-    ``set_all_reduce_hook`` run the user's code on the reduction, which cannot be checked to
-    average. HSDP's default (2-D mesh) and ``set_force_sum_reduction_for_comms(True)`` alone
-    (torch sums, then divides by the data-parallel size) pass. Read at ``make_private`` only:
-    changing any of them afterwards is not supported.
-
-    Raises:
-        UnsupportedConfigurationError: naming each unit and what is set.
-        FSDPInternalsError: if this torch does not have the attributes read.
-    """
-    overrides = reduction_internals.reduction_overrides(modules)
-    if overrides:
-        raise UnsupportedConfigurationError(
-            "FSDP2 gradient reduction other than the default average on unit(s) "
-            f"{listing([f'{name!r} ({how})' for name, how in overrides])}: the DP noise (std "
-            "sigma * C / B) is calibrated for gradients averaged over the data-parallel ranks, "
-            "so another divisor, or user code on the reduction, changes the effective noise "
-            "multiplier silently. Leave FSDP2's default averaging: do not call "
-            "set_gradient_divide_factor, set_reduce_scatter_divide_factor, "
-            "set_custom_reduce_scatter or set_all_reduce_hook on a unit of a private model (and do "
-            "not call them after make_private either, which is not supported)."
-        )
-
-
 def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: str, layout):
     """Shard-local noise with ``ghost_fsdp`` and the optimisation on; else Opacus's.
 
@@ -366,33 +298,14 @@ def _plan_optimizer(modules, *, options, secure_mode: bool, grad_sample_mode: st
     optimizer (None) already divides by the world size. Every call first refuses a
     reduction other than the average (:func:`check_reduction`).
     """
-    check_reduction(modules)
+    checks.check_reduction(modules)
     if secure_mode:
-        _refuse_secure_replicas(modules)
+        checks.refuse_secure_replicas(modules)
     if options.sync_optimization and not secure_mode and grad_sample_mode == "ghost_fsdp":
         return functools.partial(_sharded, dp_degree=layout.dp_degree)
     if layout.tensor_parallel:
         return functools.partial(_opacus_fsdp, dp_degree=layout.dp_degree)
     return None
-
-
-def _check_layout(model: nn.Module, modules: list[nn.Module]) -> None:
-    """Refuses trainable parameters no FSDP2 unit manages (each rank would noise its own)."""
-    from torch.distributed.tensor import DTensor
-
-    if world_size() <= 1:
-        return
-    plain = [
-        n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
-    ]
-    if plain:
-        raise UnsupportedConfigurationError(
-            f"{len(plain)} trainable parameter(s) are not managed by FSDP2: "
-            f"{listing(plain)}. No rank reduces their gradients and each rank would add its "
-            "own noise, so the replicas drift apart and the noise is not the accountant's. "
-            "Call fully_shard on the module that owns them (or on the root, after the "
-            "blocks: fully_shard(model)), or freeze them (requires_grad_(False))."
-        )
 
 
 RECORD = ApiRecord(
@@ -406,6 +319,6 @@ RECORD = ApiRecord(
     make_controller=_controller,
     make_handoff=_handoff,
     plan_optimizer=_plan_optimizer,
-    check_layout=_check_layout,
+    check_layout=checks.check_layout,
     unsharded_bytes=internals.unsharded_bytes,
 )

@@ -196,8 +196,8 @@ class DrawAhead:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            if self._error is not None:
-                raise self._error
+        if self._error is not None:  # at every call (a save may have waited for it first)
+            raise self._error
         if self._event is not None:
             current = torch.cuda.current_stream(self._event.device)
             current.wait_event(self._event)
