@@ -12,6 +12,7 @@ One device, fixed batches, fp64.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -201,3 +202,46 @@ def test_tied_llama_and_lora_on_q_v_still_match_the_clip_each_sample_loop(varian
         for n, p in model.named_parameters():
             if n in ref:
                 torch.testing.assert_close(p.detach(), expected[n].detach(), rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.distributed
+def test_fsdp1_reads_outside_the_hooked_call_raise_and_frozen_reads_do_not():
+    """FSDP1 (use_orig_params=True) reads each parameter through a view of its flat parameter,
+    which the graph walk took for no parameter: these models stepped without an error, the
+    sibling's gradient dropped (one backward) or clipped with norms that missed it (two passes).
+    Two ranks, each strategy and path, alignment padding before the read."""
+    from opacus_fsdp_sync.testing import run_ranks
+    from tests import workers_parameter_uses as w
+
+    res = run_ranks(w.fsdp1_uses, 2, timeout=300)
+    for rank_res in res:
+        for (model, strategy, path), r in rank_res.items():
+            case = (model, strategy, path)
+            if model == "frozen_sibling":
+                assert "error" not in r, (case, r)
+                assert r["clipped"], case
+                assert r["update"] > 1e-5 and r["vs_loop"] <= 1e-6 * r["update"], (case, r)
+                continue
+            expected = {
+                "sibling": r"proj\.weight: read without calling its layer \(proj\)",
+                "functional_head": r"wte\.weight: used 2 times but its layer \(wte\) ran 1 time",
+            }[model]
+            assert re.search(expected, r.get("error", "")), (case, r)
+            assert "_fsdp_wrapped_module" not in r["error"], case
+            assert not r["grads_left"], case
+
+
+def test_fsdp1_views_map_to_their_split_index_and_other_reads_fail_loudly():
+    """The walk's FSDP1 rule on a hand-built graph: a split piece's view is one read of that
+    piece; a flat parameter reached any other way (another torch release's views) raises the
+    versioned internals error instead of passing the check unseen."""
+    from opacus_fsdp_sync.distributed._fsdp2_internals import FSDPInternalsError
+    from opacus_fsdp_sync.layers.ownership import _accumulate_edges
+
+    flat = torch.zeros(6, dtype=torch.float64, requires_grad=True)
+    flats = {id(flat): {}}
+    piece = flat.split([4, 2])[1].view(1, 2)
+    edges = _accumulate_edges((piece * 3).sum() + piece.t().sum(), flats)
+    assert edges == {(id(flat), 1): 2}
+    with pytest.raises(FSDPInternalsError, match="parameter-use check under FSDP1"):
+        _accumulate_edges((piece * 3).sum() + (flat[:4] ** 2).sum(), flats)

@@ -27,6 +27,12 @@ from opacus.grad_sample.grad_sample_module import GradSampleModule
 from opacus.layers import DPGRU, DPLSTM, DPRNN
 from torch import nn
 
+from ..distributed._fsdp1_uses_internals import (
+    flat_pieces,
+    module_names,
+    piece_read,
+    unrecognized_reads,
+)
 from .registry import layer_type, room_for
 
 #: Layers Opacus recurses into even though they own parameters (``iterate_submodules``).
@@ -113,9 +119,16 @@ def ownership_refusals(model: nn.Module) -> list[str]:
 _CHECKED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _accumulate_edges(loss: torch.Tensor) -> dict[int, tuple[torch.Tensor, int]]:
-    """``{id(leaf): (leaf, incoming edges)}`` for every leaf the graph of ``loss`` reaches."""
-    out: dict[int, tuple[torch.Tensor, int]] = {}
+def _accumulate_edges(loss: torch.Tensor, flats: dict) -> dict[object, int]:
+    """Incoming edges of every parameter the graph of ``loss`` reaches.
+
+    Keys: ``id(leaf)`` for a leaf read as itself; ``(id(flat parameter), split index)`` for an
+    FSDP1 original parameter read through its view (``flats``: :func:`flat_pieces`).
+
+    Raises:
+        FSDPInternalsError: when an FSDP1 flat parameter is reached another way.
+    """
+    out: dict[object, int] = {}
     if loss.grad_fn is None:
         return out
     seen = {loss.grad_fn}
@@ -125,14 +138,16 @@ def _accumulate_edges(loss: torch.Tensor) -> dict[int, tuple[torch.Tensor, int]]
             if node is None:
                 continue
             try:
-                leaf = node.variable  # AccumulateGrad
+                key = id(node.variable)  # AccumulateGrad
             except AttributeError:
-                if node not in seen:
-                    seen.add(node)
-                    stack.append(node)
-                continue
-            held = out.get(id(leaf))
-            out[id(leaf)] = (leaf, 1 if held is None else held[1] + 1)
+                key = piece_read(node, flats) if flats else None
+                if key is None:
+                    if node not in seen:
+                        seen.add(node)
+                        stack.append(node)
+                    continue
+            out[key] = out.get(key, 0) + 1
+    unrecognized_reads({k for k in out if isinstance(k, int)}, flats)
     return out
 
 
@@ -159,9 +174,12 @@ def _fsdp2_locations(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
 
 
 def _owners(
-    model: nn.Module, layers: list[nn.Module]
-) -> tuple[dict[int, list[nn.Module]], dict[int, str]]:
-    """Which hooked layers hold each parameter (by ``id``), and each trainable one's name."""
+    model: nn.Module, layers: list[nn.Module], flats: dict
+) -> tuple[dict[object, list[nn.Module]], dict[object, str]]:
+    """Which hooked layers hold each parameter, and each trainable one's name.
+
+    Keyed as :func:`_accumulate_edges` keys the graph's reads.
+    """
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     owners: dict[int, list[nn.Module]] = {}
     for layer in layers:
@@ -174,18 +192,26 @@ def _owners(
         registered = module._parameters.get(pname)
         held = owners.get(id(registered), []) if key != id(registered) else []
         owners.setdefault(key, []).extend(held)
+    hooked = {id(m) for m in layers}
+    for flat, pieces in flats.items():
+        for index, piece in pieces.items():
+            if piece.param.requires_grad:
+                names[(flat, index)] = piece.name
+                owners[(flat, index)] = [m for m in piece.owners if id(m) in hooked]
     return owners, names
 
 
 def _problems(hooks, loss: torch.Tensor, captured: dict) -> list[str]:
     model = hooks._module
     layers = list(hooks.iterate_submodules(model))
-    owners, names = _owners(model, layers)
-    label = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
+    flats = flat_pieces(model)
+    owners, names = _owners(model, layers, flats)
+    qualified = module_names(model)
+    label = {id(m): qualified[id(m)] or type(m).__name__ for m in model.modules()}
     out = []
-    for key, (_, edges) in _accumulate_edges(loss).items():
+    for key, edges in _accumulate_edges(loss, flats).items():
         if key not in names:
-            continue  # not a parameter of the model (an input leaf, FSDP1's flat parameter)
+            continue  # not a trainable parameter of the model (an input leaf, a frozen weight)
         held = owners.get(key, [])
         ran = [m for m in held if id(m) in captured]
         who = ", ".join(label.get(id(m), type(m).__name__) for m in held)
