@@ -76,9 +76,7 @@ def _reduce(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
         return torch.mean(loss_per_sample, dim=0)
     if loss_reduction == "sum":
         return torch.sum(loss_per_sample, dim=0)
-    raise ValueError(
-        f"loss_reduction = {loss_reduction!r}. Only 'sum' and 'mean' losses are supported"
-    )
+    raise ValueError(f"loss_reduction = {loss_reduction!r}. Only 'sum' and 'mean' are supported")
 
 
 def _densify_sparse_grads(optimizer) -> None:
@@ -138,9 +136,10 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def __init__(self, module, optimizer, loss_per_sample, loss_reduction="mean", *, context=None):
         super().__init__(module, optimizer, loss_per_sample, loss_reduction)
         self.context = context if context is not None else GhostStepContext()
-        #: True once a term that may reach parameters outside the hooked layers was combined in
-        #: (e.g. ``loss + reg`` with a grad-requiring ``reg``): one backward cannot see it.
+        #: True once a grad-requiring term was combined in (``loss + reg``): one backward misses it.
         self.direct_terms = False
+        #: The criterion's per-sample losses combined here: the parameter-use check's graph.
+        self.sample_losses: tuple[torch.Tensor, ...] = (loss_per_sample,)
 
     def _adopt(self, result: DPTensorFastGradientClipping, other=None) -> SyncDPTensor:
         out = SyncDPTensor(
@@ -155,6 +154,8 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             or (isinstance(other, SyncDPTensor) and other.direct_terms)
             or (isinstance(other, torch.Tensor) and other.requires_grad)
         )
+        more = other.sample_losses if isinstance(other, SyncDPTensor) else ()
+        out.sample_losses = tuple({id(t): t for t in self.sample_losses + more}.values())
         return out
 
     def __truediv__(self, other):
@@ -207,7 +208,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
             self.context.timer.flush()  # previous step's CUDA events, if any were left pending
         if self.context.allocator_watch is not None:
             self.context.allocator_watch.check()
-        check_parameter_uses(self, hooks, reduced_loss)  # once per model: .layers.ownership
+        check_parameter_uses(self, hooks)  # once per model: .layers.ownership
         path = self._choose_path(hooks)
         self._first_pass(reduced_loss, hooks, path)
         self._clipped_pass(hooks, one=path.one)

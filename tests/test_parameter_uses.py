@@ -148,14 +148,20 @@ def test_peft_lora_on_the_embedding_is_refused_naming_the_way_out():
     ],
     ids=["functional_reuse", "sibling_weight"],
 )
-def test_a_use_outside_the_hooked_call_raises_at_the_first_step(model_cls, match, options):
+@pytest.mark.parametrize("reg", [False, True], ids=["plain", "plus_reg"])
+def test_a_use_outside_the_hooked_call_raises_at_the_first_step(model_cls, match, options, reg):
     """Every path, upstream's too, missed these uses in the norm without an error; the first
-    step now names the parameter and the pattern and leaves no gradient behind."""
+    step now names the parameter and the pattern and leaves no gradient behind. With a term
+    added to the loss (``loss + reg``, two passes) the check was skipped: the second pass then
+    scaled the unhooked read's per-sample gradient by coefficients from norms that missed it."""
     torch.manual_seed(0)
     model = model_cls().double()
     x, y = _data()
     gsm, _, crit, _ = make_private(PrivacyEngine(**options), model, (x, y), B, C, "ghost")
     loss = crit(gsm(x).reshape(-1, V), y.reshape(-1), shape=(B, T))
+    if reg:
+        loss = loss + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        assert loss.direct_terms
     with pytest.raises(ParameterUseError, match=match):
         loss.backward()
     assert all(p.grad is None for p in model.parameters())
@@ -241,7 +247,7 @@ def test_fsdp1_views_map_to_their_split_index_and_other_reads_fail_loudly():
     flat = torch.zeros(6, dtype=torch.float64, requires_grad=True)
     flats = {id(flat): {}}
     piece = flat.split([4, 2])[1].view(1, 2)
-    edges = _accumulate_edges((piece * 3).sum() + piece.t().sum(), flats)
+    edges = _accumulate_edges([(piece * 3).sum() + piece.t().sum()], flats)
     assert edges == {(id(flat), 1): 2}
     with pytest.raises(FSDPInternalsError, match="parameter-use check under FSDP1"):
-        _accumulate_edges((piece * 3).sum() + (flat[:4] ** 2).sum(), flats)
+        _accumulate_edges([(piece * 3).sum() + (flat[:4] ** 2).sum()], flats)

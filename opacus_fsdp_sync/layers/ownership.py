@@ -13,14 +13,16 @@ Two checks:
   a whole (a layer with parameters of its own and no Opacus sampler: the replay differentiates
   its own parameters only).
 - :func:`check_parameter_uses` (once per model, at its first private step): walks the autograd
-  graph from the loss and raises when a trainable parameter is reached but no hooked call of its
-  layer ran (a sibling's weight read without calling the sibling), or is reached more often than
-  its layers' calls use it (a functional reuse, ``F.linear(h, self.wte.weight)``).
+  graph from the criterion's per-sample losses (under FSDP1, through each original parameter's
+  view of its flat parameter) and raises when a trainable parameter is reached but no hooked
+  call of its layer ran (a sibling's weight read without calling the sibling), or is reached
+  more often than its layers' calls use it (a functional reuse, ``F.linear(h, self.wte.weight)``).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from opacus.grad_sample.grad_sample_module import GradSampleModule
@@ -119,8 +121,8 @@ def ownership_refusals(model: nn.Module) -> list[str]:
 _CHECKED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _accumulate_edges(loss: torch.Tensor, flats: dict) -> dict[object, int]:
-    """Incoming edges of every parameter the graph of ``loss`` reaches.
+def _accumulate_edges(losses: Sequence[torch.Tensor], flats: dict) -> dict[object, int]:
+    """Incoming edges of every parameter the graph of ``losses`` reaches (one walk).
 
     Keys: ``id(leaf)`` for a leaf read as itself; ``(id(flat parameter), split index)`` for an
     FSDP1 original parameter read through its view (``flats``: :func:`flat_pieces`).
@@ -129,10 +131,8 @@ def _accumulate_edges(loss: torch.Tensor, flats: dict) -> dict[object, int]:
         FSDPInternalsError: when an FSDP1 flat parameter is reached another way.
     """
     out: dict[object, int] = {}
-    if loss.grad_fn is None:
-        return out
-    seen = {loss.grad_fn}
-    stack = [loss.grad_fn]
+    stack = list({t.grad_fn for t in losses if t.grad_fn is not None})
+    seen = set(stack)
     while stack:
         for node, _ in stack.pop().next_functions:
             if node is None:
@@ -201,7 +201,7 @@ def _owners(
     return owners, names
 
 
-def _problems(hooks, loss: torch.Tensor, captured: dict) -> list[str]:
+def _problems(hooks, losses: Sequence[torch.Tensor], captured: dict) -> list[str]:
     model = hooks._module
     layers = list(hooks.iterate_submodules(model))
     flats = flat_pieces(model)
@@ -209,7 +209,7 @@ def _problems(hooks, loss: torch.Tensor, captured: dict) -> list[str]:
     qualified = module_names(model)
     label = {id(m): qualified[id(m)] or type(m).__name__ for m in model.modules()}
     out = []
-    for key, edges in _accumulate_edges(loss, flats).items():
+    for key, edges in _accumulate_edges(losses, flats).items():
         if key not in names:
             continue  # not a trainable parameter of the model (an input leaf, a frozen weight)
         held = owners.get(key, [])
@@ -232,27 +232,27 @@ def _problems(hooks, loss: torch.Tensor, captured: dict) -> list[str]:
     return out
 
 
-def check_parameter_uses(loss, hooks, reduced_loss: torch.Tensor) -> None:
+def check_parameter_uses(loss, hooks) -> None:
     """Once per model, before its first private backward: every trainable use is hooked.
 
-    Skipped for hooks that keep no record of captured layers (Opacus's own classes) and while
-    the loss carries terms outside the hooked layers (``loss + reg``: those reach parameters
-    on purpose, and the step takes two passes).
+    Walks the graph of the criterion's per-sample losses that ``loss`` combines, without the
+    terms added to them (``loss + reg``: those reach parameters on purpose, and the step then
+    takes two passes, whose clipping still rests on every per-sample read being hooked).
+    Skipped for hooks that keep no record of captured layers (Opacus's own classes).
 
     Args:
         loss: The :class:`~..backward.SyncDPTensor` whose backward is starting.
         hooks: Its step hooks.
-        reduced_loss: The reduced loss the first pass differentiates.
 
     Raises:
         ParameterUseError: naming each parameter and the pattern, after the step's state is
             cleaned up as for any failed step.
     """
     captured = vars(hooks).get("_captured")
-    if captured is None or hooks in _CHECKED or loss.direct_terms:
+    if captured is None or hooks in _CHECKED:
         return
     _CHECKED.add(hooks)
-    problems = _problems(hooks, reduced_loss, captured)
+    problems = _problems(hooks, loss.sample_losses, captured)
     if not problems:
         return
     error = ParameterUseError(
