@@ -19,7 +19,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
 from ._opacus_internals import abandon_step, last_step_skipped, next_step_skipped
 from .apis.api import GradientHandoff, StepController
 from .apis.single import NullController
-from .errors import attach_cleanup_error
+from .errors import UnsupportedConfigurationError, attach_cleanup_error
 from .hooks.contract import StepHooks
 from .hooks.ghost import step_hooks
 from .hooks.kept import kept_bytes
@@ -136,23 +136,28 @@ class SyncDPTensor(DPTensorFastGradientClipping):
     def __init__(self, module, optimizer, loss_per_sample, loss_reduction="mean", *, context=None):
         super().__init__(module, optimizer, loss_per_sample, loss_reduction)
         self.context = context if context is not None else GhostStepContext()
-        #: True once a grad-requiring term was combined in (``loss + reg``): one backward misses it.
-        self.direct_terms = False
         #: The criterion's per-sample losses combined here: the parameter-use check's graph.
         self.sample_losses: tuple[torch.Tensor, ...] = (loss_per_sample,)
 
     def _adopt(self, result: DPTensorFastGradientClipping, other=None) -> SyncDPTensor:
+        if isinstance(other, torch.Tensor) and other.requires_grad:  # not a private loss
+            error = UnsupportedConfigurationError(
+                "opacus_fsdp_sync: the private loss was combined with a tensor that needs "
+                "gradients (e.g. loss + reg). Its gradient would be scaled by the per-sample "
+                "clipping coefficients, which depend on the data: one example could move the "
+                "update by more than max_grad_norm, and the privacy guarantee would not hold. "
+                "Put an L2 penalty in the optimizer (weight_decay, applied after the noise), "
+                "add per-sample terms as another loss of the private criterion (loss_a + "
+                "loss_b), or detach the term. This step's forward is dropped."
+            )
+            self._clean_up_failed_step(error, step_hooks(self.module))
+            raise error
         out = SyncDPTensor(
             self.module,
             self.optimizer,
             result.loss_per_sample,
             result.loss_reduction,
             context=self.context,
-        )
-        out.direct_terms = (
-            self.direct_terms
-            or (isinstance(other, SyncDPTensor) and other.direct_terms)
-            or (isinstance(other, torch.Tensor) and other.requires_grad)
         )
         more = other.sample_losses if isinstance(other, SyncDPTensor) else ()
         out.sample_losses = tuple({id(t): t for t in self.sample_losses + more}.values())
@@ -238,12 +243,7 @@ class SyncDPTensor(DPTensorFastGradientClipping):
                 "no first-pass source (no hooked layer whose inputs need no gradient): the first "
                 "backward computes weight gradients too, and the step takes two backward passes"
             )
-        elif restricted and self.context.handoff is not None and self.direct_terms:
-            self.context.fallback(
-                "the loss combines a term that needs gradients outside the hooked layers (e.g. "
-                "loss + reg): one backward cannot see it, so the step takes two backward passes"
-            )
-        one = restricted and self.context.handoff is not None and not self.direct_terms
+        one = restricted and self.context.handoff is not None
         plan = None
         if one and self.context.memory is not None:
             try:  # before anything is kept; a collective when distributed

@@ -14,6 +14,7 @@ import torch
 
 from opacus_fsdp_sync import PrivacyEngine
 from opacus_fsdp_sync.apis import NullController
+from opacus_fsdp_sync.errors import UnsupportedConfigurationError
 from tests.models import Tripwire
 from tests.private import make_private
 from tests.test_single_device import B, _diff, _loop, toy_setup
@@ -126,19 +127,18 @@ def test_noise_draw_starts_after_the_first_pass_and_a_failed_start_is_cleaned_up
     _assert_clean_then_exact(model, gsm, opt, crit, base, x, y, C)
 
 
-def test_loss_plus_term_falls_back_logged_and_reported(setup, caplog):
+@pytest.mark.parametrize("combine", ["add", "mul"])
+def test_a_term_needing_gradients_is_refused_and_the_next_steps_are_exact(setup, combine):
+    """``loss + reg`` took two passes whose second scaled the term's gradient by the data's
+    clipping coefficients (one example then moved the update beyond C); now refused when
+    combined, before any backward, and the engine steps on as before."""
     base, x, y, C = setup
     engine, model, gsm, opt, crit = _private(base, x, y, C)
-    assert engine.one_backward  # the plan
-    zero = torch.zeros((), requires_grad=True)
-    with caplog.at_level(logging.WARNING, logger="opacus_fsdp_sync"):
-        _two_steps(gsm, opt, crit, x, y, combine=lambda loss: loss + zero)
-    assert engine.one_backward is False  # the step that ran
-    fallbacks = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
-    assert len(fallbacks) == 1 and "loss + reg" in fallbacks[0], fallbacks  # once, not per step
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    assert _diff(params, _loop(base, x, y, C)) <= 1e-6
-    _two_steps(gsm, opt, crit, x, y)
+    term = torch.zeros((), requires_grad=True)
+    loss = crit(gsm(x[:B]), y[:B])
+    with pytest.raises(UnsupportedConfigurationError, match=r"loss \+ reg.*weight_decay"):
+        _ = loss + term if combine == "add" else loss * term
+    _assert_clean_then_exact(model, gsm, opt, crit, base, x, y, C)
     assert engine.one_backward is True
 
 

@@ -49,6 +49,31 @@ class OddFunctionalHead(nn.Module):
         return nn.functional.linear(torch.tanh(self.h(self.wte(x))), self.wte.weight)
 
 
+class LateBias(nn.Module):
+    """A later unit's bias read before that unit runs (NO_SHARD: the original parameter itself),
+    beside a trainable weight with transposed storage (FSDP1 views it with ``as_strided``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.h = nn.Embedding(V, 8), nn.Linear(8, 8)
+        self.h.weight = nn.Parameter(torch.randn(8, 8).t().contiguous().t())
+        self.late, self.o = nn.Linear(8, 8), nn.Linear(8, V)
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.late(self.h(self.wte(x)) + self.late.bias)))
+
+
+class Transposed(OddSibling):
+    """A supported model (every read hooked) whose trainable weight has transposed storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj.weight = nn.Parameter(torch.randn(5, 5).t().contiguous().t())
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.proj(self.h(self.wte(x)))))
+
+
 def _sample_loss(model, x, y):
     return nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
 
@@ -62,12 +87,15 @@ def _case(rank, world, cls, strategy, options, frozen):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (b, T), generator=g), torch.randint(0, V, (b, T), generator=g)
     ref, norms = per_sample_clipped_grads(copy.deepcopy(base), _sample_loss, x, y, C)
-    model = FSDP(
-        copy.deepcopy(base),
-        device_id=torch.device("cpu"),
-        use_orig_params=True,
-        sharding_strategy=getattr(ShardingStrategy, strategy),
-    )
+    unit = {
+        "device_id": torch.device("cpu"),
+        "use_orig_params": True,
+        "sharding_strategy": getattr(ShardingStrategy, strategy),
+    }
+    model = copy.deepcopy(base)
+    if cls is LateBias:  # a unit of its own inside the root's
+        model.late = FSDP(model.late, **unit)
+    model = FSDP(model, **unit)
     params = [p for p in model.parameters() if p.requires_grad]
     gsm, opt, crit, _ = make_private(
         PrivacyEngine(**options),
@@ -100,12 +128,19 @@ def _case(rank, world, cls, strategy, options, frozen):
 def fsdp1_uses(rank: int, world: int) -> dict:
     """Each model, strategy and path: the check's error, or the step against the loop."""
     out = {}
-    models = {"sibling": OddSibling, "functional_head": OddFunctionalHead}
+    models = {"sibling": OddSibling, "functional_head": OddFunctionalHead, "transposed": Transposed}
     for strategy in STRATEGIES:
         for path, options in (("one", {}), ("two_pass", {"one_backward": False})):
             for name, cls in models.items():
+                if cls is Transposed and strategy == "NO_SHARD":
+                    continue  # FSDP1 NO_SHARD steps such a weight wrong without DP too (torch)
                 out[(name, strategy, path)] = _case(rank, world, cls, strategy, options, False)
             out[("frozen_sibling", strategy, path)] = _case(
                 rank, world, OddSibling, strategy, options, True
             )
+    # sharded, a unit's parameter cannot be read before its forward at all (FSDP1 fails)
+    for path, options in (("one", {}), ("two_pass", {"one_backward": False})):
+        out[("late_bias", "NO_SHARD", path)] = _case(
+            rank, world, LateBias, "NO_SHARD", options, False
+        )
     return out

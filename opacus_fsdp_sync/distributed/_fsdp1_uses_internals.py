@@ -20,10 +20,11 @@ from . import version_gate
 from ._fsdp1_internals import handles
 from ._fsdp2_internals import FSDPInternalsError
 
-#: The autograd nodes of a piece's view and of the flat parameter's split (torch 2.13, 2.15).
-_VIEW, _SPLIT = "ViewBackward0", "SplitWithSizesBackward0"
+#: The autograd nodes of a piece's view (``view``, or ``as_strided`` for a non-contiguous
+#: parameter) and of the flat parameter's split, as on torch 2.13 and 2.15.
+_VIEWS, _SPLIT = frozenset({"ViewBackward0", "AsStridedBackward0"}), "SplitWithSizesBackward0"
 #: The attribute an FSDP1 instance keeps the module it wraps under (a segment of every name).
-_WRAPPED = "_fsdp_wrapped_module."
+_WRAPPED = "_fsdp_wrapped_module"
 
 
 def _fail(what: str) -> FSDPInternalsError:
@@ -45,6 +46,8 @@ class FlatPiece:
     """The original parameter (its ``requires_grad`` is the user's)."""
     owners: tuple[nn.Module, ...]
     """The modules holding it: the owner, then the modules sharing it."""
+    aliases: tuple[nn.Parameter, ...] = ()
+    """The parameter objects the sharing modules register for it."""
 
 
 def _field(flat, name: str):
@@ -56,7 +59,10 @@ def _field(flat, name: str):
 
 def module_names(model: nn.Module) -> dict[int, str]:
     """``{id(module): qualified name}``, without FSDP1's wrapper segments."""
-    return {id(m): n.replace(_WRAPPED, "") for n, m in model.named_modules()}
+    return {
+        id(m): ".".join(part for part in n.split(".") if part != _WRAPPED)
+        for n, m in model.named_modules()
+    }
 
 
 def flat_pieces(model: nn.Module) -> dict[int, dict[int, FlatPiece]]:
@@ -79,20 +85,46 @@ def flat_pieces(model: nn.Module) -> dict[int, dict[int, FlatPiece]]:
         padding, shared = _field(flat, "_is_padding_mask"), _field(flat, "_shared_param_infos")
         if len(infos) != len(params) or sum(not p for p in padding) != len(params):
             raise _fail("FlatParameter._param_infos, _params and _is_padding_mask of one length")
-        sharing: dict[tuple[int, str], list[nn.Module]] = {}
-        for _, module, _, prim_name, prim_module, _ in shared:
-            sharing.setdefault((id(prim_module), prim_name), []).append(module)
+        shared_params = _field(flat, "_shared_params")
+        if len(shared_params) != len(shared):
+            raise _fail("FlatParameter._shared_params and _shared_param_infos of one length")
+        sharing: dict[tuple[int, str], list[tuple[nn.Module, nn.Parameter]]] = {}
+        for (_, module, _, prim_name, prim_module, _), alias in zip(shared, shared_params):
+            sharing.setdefault((id(prim_module), prim_name), []).append((module, alias))
         split_index = [i for i, pad in enumerate(padding) if not pad]
         pieces = {}
         for i, (name, module, _), param in zip(split_index, infos, params, strict=True):
             prefix = qualified.get(id(module), "?")
+            others = sharing.get((id(module), name), [])
             pieces[i] = FlatPiece(
                 name=f"{prefix}.{name}".lstrip("."),
                 param=param,
-                owners=(module, *sharing.get((id(module), name), [])),
+                owners=(module, *(m for m, _ in others)),
+                aliases=tuple(a for _, a in others),
             )
         out[id(flat)] = pieces
     return out
+
+
+def piece_keys(flats: dict[int, dict[int, FlatPiece]]) -> dict[int, tuple[int, int]]:
+    """``{id(original parameter or alias): (id(flat parameter), split index)}``.
+
+    A module holds its original parameter itself (full data under ``NO_SHARD``) until its
+    unit's forward sets the view; a read of it then reaches the parameter's own
+    ``AccumulateGrad``, and counts as a read of its piece.
+
+    Args:
+        flats: :func:`flat_pieces` of the model.
+
+    Returns:
+        The key of each original parameter's piece.
+    """
+    return {
+        id(p): (flat, index)
+        for flat, pieces in flats.items()
+        for index, piece in pieces.items()
+        for p in (piece.param, *piece.aliases)
+    }
 
 
 def piece_read(node, flats: dict[int, dict[int, FlatPiece]]) -> tuple[int, int] | None:
@@ -102,7 +134,7 @@ def piece_read(node, flats: dict[int, dict[int, FlatPiece]]) -> tuple[int, int] 
         node: An autograd node.
         flats: :func:`flat_pieces` of the model.
     """
-    if type(node).__name__ != _VIEW:
+    if type(node).__name__ not in _VIEWS:
         return None
     inputs = node.next_functions
     if len(inputs) != 1 or inputs[0][0] is None:

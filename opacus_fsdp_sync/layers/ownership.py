@@ -32,6 +32,7 @@ from torch import nn
 from ..distributed._fsdp1_uses_internals import (
     flat_pieces,
     module_names,
+    piece_keys,
     piece_read,
     unrecognized_reads,
 )
@@ -131,6 +132,7 @@ def _accumulate_edges(losses: Sequence[torch.Tensor], flats: dict) -> dict[objec
         FSDPInternalsError: when an FSDP1 flat parameter is reached another way.
     """
     out: dict[object, int] = {}
+    originals = piece_keys(flats)
     stack = list({t.grad_fn for t in losses if t.grad_fn is not None})
     seen = set(stack)
     while stack:
@@ -139,6 +141,7 @@ def _accumulate_edges(losses: Sequence[torch.Tensor], flats: dict) -> dict[objec
                 continue
             try:
                 key = id(node.variable)  # AccumulateGrad
+                key = originals.get(key, key)  # an FSDP1 original parameter read as itself
             except AttributeError:
                 key = piece_read(node, flats) if flats else None
                 if key is None:
@@ -235,9 +238,9 @@ def _problems(hooks, losses: Sequence[torch.Tensor], captured: dict) -> list[str
 def check_parameter_uses(loss, hooks) -> None:
     """Once per model, before its first private backward: every trainable use is hooked.
 
-    Walks the graph of the criterion's per-sample losses that ``loss`` combines, without the
-    terms added to them (``loss + reg``: those reach parameters on purpose, and the step then
-    takes two passes, whose clipping still rests on every per-sample read being hooked).
+    Walks the graph of the criterion's per-sample losses that ``loss`` combines (terms that
+    need gradients are refused when combined: :class:`~..backward.SyncDPTensor`). A step that
+    raises, here or in the walk, is cleaned up as any failed step and checked again next time.
     Skipped for hooks that keep no record of captured layers (Opacus's own classes).
 
     Args:
@@ -251,16 +254,15 @@ def check_parameter_uses(loss, hooks) -> None:
     captured = vars(hooks).get("_captured")
     if captured is None or hooks in _CHECKED:
         return
-    _CHECKED.add(hooks)
-    problems = _problems(hooks, loss.sample_losses, captured)
-    if not problems:
-        return
-    error = ParameterUseError(
-        "opacus_fsdp_sync: trainable parameters used outside their hooked layer's call; their "
-        "per-sample norms would be missing and their gradients wrong: " + "; ".join(problems)
-    )
     try:
-        raise error
-    except ParameterUseError:
+        problems = _problems(hooks, loss.sample_losses, captured)
+        if problems:
+            raise ParameterUseError(
+                "opacus_fsdp_sync: trainable parameters used outside their hooked layer's "
+                "call; their per-sample norms would be missing and their gradients wrong: "
+                + "; ".join(problems)
+            )
+    except BaseException as error:  # the step's state goes back as for any failed step
         loss._clean_up_failed_step(error, hooks)
         raise
+    _CHECKED.add(hooks)  # checked clean: a step that raised is checked again next time
