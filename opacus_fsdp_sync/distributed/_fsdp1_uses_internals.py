@@ -58,7 +58,14 @@ def _field(flat, name: str):
 
 
 def module_names(model: nn.Module) -> dict[int, str]:
-    """``{id(module): qualified name}``, without FSDP1's wrapper segments."""
+    """Qualified module names as the user wrote them.
+
+    Args:
+        model: The model, FSDP1-wrapped or not.
+
+    Returns:
+        ``{id(module): qualified name}``, without FSDP1's ``_fsdp_wrapped_module`` segments.
+    """
     return {
         id(m): ".".join(part for part in n.split(".") if part != _WRAPPED)
         for n, m in model.named_modules()
@@ -68,7 +75,15 @@ def module_names(model: nn.Module) -> dict[int, str]:
 def flat_pieces(model: nn.Module) -> dict[int, dict[int, FlatPiece]]:
     """``{id(flat parameter): {split output index: piece}}`` for every FSDP1 handle in ``model``.
 
-    Padding pieces have no entry. Empty for a model without FSDP1.
+    Padding pieces have no entry. Empty for a model without FSDP1. Reads ``FlatParameter``'s
+    ``_param_infos``, ``_params``, ``_is_padding_mask``, ``_shared_param_infos`` and
+    ``_shared_params`` (as on torch 2.13 and 2.15).
+
+    Args:
+        model: The model the hooks wrap.
+
+    Returns:
+        The pieces of each flat parameter.
 
     Raises:
         FSDPInternalsError: when a flat parameter lacks what the map is built from.
@@ -128,11 +143,14 @@ def piece_keys(flats: dict[int, dict[int, FlatPiece]]) -> dict[int, tuple[int, i
 
 
 def piece_read(node, flats: dict[int, dict[int, FlatPiece]]) -> tuple[int, int] | None:
-    """``(id(flat parameter), split index)`` when ``node`` is the view of one piece, else None.
+    """Which piece of which flat parameter ``node`` views, if it is such a view.
 
     Args:
         node: An autograd node.
         flats: :func:`flat_pieces` of the model.
+
+    Returns:
+        ``(id(flat parameter), split index)``, or None for any other node.
     """
     if type(node).__name__ not in _VIEWS:
         return None
