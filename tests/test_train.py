@@ -104,6 +104,13 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert fresh["steps"] == 8 and fresh["privacy"]["steps"] == 12
     assert fresh["epsilon"] > straight["epsilon"]
     assert [r["step"] for r in rows_c] == list(range(9))  # each step once
+    # a plain resume from that run's own checkpoint goes on from its step (8), not from the
+    # accountant's count (12: it took the logical step from the count, trained nothing and
+    # reported 12 steps of a plan of 8)
+    shutil.copytree(tmp_path / "c", tmp_path / "d")
+    again, _, again_out = _train(tmp_path / "d", *common, "--resume")
+    assert "step000008 at step 8 " in again_out and again["steps"] == 8
+    assert again["privacy"]["steps"] == 12 and again["epsilon"] == fresh["epsilon"]
     import torch
 
     def schedule(run):  # the learning-rate schedule saved with the run's step-8 checkpoint
@@ -159,6 +166,17 @@ def test_export_loads_with_from_pretrained_and_init_from_continues(tmp_path):
         tmp_path / "b", "--init-from", str(export), "--max-steps", "1", nproc=1
     )
     assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
+    # the weights carried 4 private steps: the new run counts them (its epsilon said 1 step's)
+    later = json.loads((tmp_path / "b" / "model" / "privacy.json").read_text())
+    assert later["steps"] == 5 and sum(n for _, _, n in later["history"]) == 5
+    assert later["init_from"] == str(export) and "carries 4 private step(s)" in stdout
+    hand = PRVAccountant()
+    hand.history = [
+        (privacy["noise_multiplier"], privacy["sample_rate"], 4),
+        (later["noise_multiplier"], later["sample_rate"], 1),
+    ]
+    assert later["epsilon"] == pytest.approx(hand.get_epsilon(later["delta"]), rel=1e-9)
+    assert later["epsilon"] > privacy["epsilon"]
 
 
 def test_lora_trains_only_the_adapters_and_exports_adapter_and_merged(tmp_path):
@@ -182,11 +200,14 @@ def test_lora_trains_only_the_adapters_and_exports_adapter_and_merged(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(export / "merged")
     merged_logits, _ = _probe_check(merged, export)
     torch.testing.assert_close(merged_logits, logits, atol=1e-5, rtol=0)  # merging reorders sums
-    _, rows_b, _ = _train(
+    _, rows_b, stdout_b = _train(
         tmp_path / "b", "--lora", "--init-from", str(export / "adapter"), "--max-steps", "1",
         nproc=1,
     )  # fmt: skip
     assert rows_b[0]["heldout_loss"] == pytest.approx(rows[-1]["heldout_loss"], rel=1e-5)
+    # the adapter's record is one folder up: its 6 steps are counted by the new run
+    later = json.loads((tmp_path / "b" / "model" / "privacy.json").read_text())
+    assert later["steps"] == 7 and "carries 6 private step(s)" in stdout_b
 
 
 def test_readme_quickstart_example_runs_with_poisson_sampling():

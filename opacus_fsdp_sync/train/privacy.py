@@ -8,13 +8,18 @@ more than the target. What the trainer reports outside the guarantee is named in
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from opacus.accountants.utils import get_noise_multiplier
 
 from .config import TrainConfig
 from .disclosure import NOT_PRIVATE
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +114,14 @@ def privacy_unit(cfg: TrainConfig) -> str:
 
 
 def guarantee(
-    cfg: TrainConfig, *, epsilon: float, accountant: str, noise: float, plan: StepPlan, steps: int
+    cfg: TrainConfig,
+    *,
+    epsilon: float,
+    accountant: str,
+    noise: float,
+    plan: StepPlan,
+    steps: int,
+    history: list | None = None,
 ) -> dict:
     """The privacy record of a run, for ``summary.json`` and each export's ``privacy.json``.
 
@@ -120,6 +132,8 @@ def guarantee(
         noise: The noise multiplier (sigma).
         plan: The run's steps and sample rate.
         steps: Logical steps taken (and counted by the accountant) so far.
+        history: The accountant's ``[sigma, q, steps]`` entries, the releases an ``--init-from``
+            export carried first; None: one entry of this run's.
 
     Returns:
         A JSON-ready dict.
@@ -136,5 +150,63 @@ def guarantee(
         "privacy_unit": privacy_unit(cfg),
         "secure_mode": False,
         "dp_seed_given": cfg.dp_seed is not None,
+        "init_from": cfg.init_from,
+        "history": history if history is not None else [[noise, plan.sample_rate, steps]],
         "not_private": NOT_PRIVATE,
     }
+
+
+def prior_history(init_from: str | None) -> list[tuple[float, float, int]]:
+    """The releases the weights ``--init-from`` names already carry, from their privacy record.
+
+    The record is the export's ``privacy.json`` (an adapter's is one folder up). Counting them
+    again is exact when the earlier run trained on the same records, and an upper bound
+    otherwise: a run continuing from private weights never reports less than they carry.
+
+    Args:
+        init_from: The ``--init-from`` path (None: none).
+
+    Returns:
+        ``(sigma, sample rate, steps)`` entries; empty without a record.
+
+    Raises:
+        ValueError: for a record with steps taken without noise (no guarantee to build on).
+    """
+    if init_from is None:
+        return []
+    paths = [Path(init_from) / "privacy.json", Path(init_from).parent / "privacy.json"]
+    found = next((p for p in paths if p.is_file()), None)
+    if found is None:
+        return []
+    record = json.loads(found.read_text())
+    entries = record.get("history") or [
+        [record["noise_multiplier"], record["sample_rate"], record["steps"]]
+    ]
+    entries = [(float(s), float(q), int(n)) for s, q, n in entries if int(n) > 0]
+    if any(s <= 0 for s, _, _ in entries):
+        raise ValueError(
+            f"--init-from {init_from}: {found} records steps taken without noise (epsilon "
+            f"{record.get('epsilon')}): those weights carry no DP guarantee to build on. Start "
+            "from the base model (--model-path, or the preset) instead."
+        )
+    return entries
+
+
+def count_prior_releases(engine, entries: list[tuple[float, float, int]], rank: int) -> None:
+    """Puts the releases an ``--init-from`` export carried into the accountant's history.
+
+    Args:
+        engine: The run's privacy engine (before its first step).
+        entries: :func:`prior_history`.
+        rank: This process's rank (rank 0 logs).
+    """
+    if not entries:
+        return
+    engine.accountant.history.extend(entries)
+    if rank == 0:
+        logger.warning(
+            "[Ghost] --init-from carries %d private step(s) already (its privacy.json): the "
+            "accountant counts them, so epsilon covers both runs (exact on the same records, "
+            "an upper bound on others)",
+            sum(n for _, _, n in entries),
+        )

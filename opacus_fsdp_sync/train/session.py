@@ -26,7 +26,14 @@ from .disclosure import PRIVACY_NOTE
 from .export import export
 from .model import base_path, build_model, load_tokenizer, shard
 from .optim import build_optimizer, build_scheduler
-from .privacy import guarantee, noise_for_target, plan_steps, privacy_unit
+from .privacy import (
+    count_prior_releases,
+    guarantee,
+    noise_for_target,
+    plan_steps,
+    prior_history,
+    privacy_unit,
+)
 from .run_state import checkpoint_step, load_run_state, truncate_metrics
 
 logger = logging.getLogger(__name__)
@@ -75,6 +82,7 @@ class Run:
             noise=self.opt.noise_multiplier,
             plan=self.plan,
             steps=steps_taken(self.engine),  # the accountant's: a fresh-noise resume counts more
+            history=[list(entry) for entry in self.engine.accountant.history],
         )
         export(
             path,
@@ -143,7 +151,8 @@ def set_up(cfg: TrainConfig) -> Run:
         model_info=model_info, engine=engine, gsm=gsm, opt=opt, crit=crit, loader=loader,
         scheduler=scheduler, plan=plan,
     )  # fmt: skip
-    resume(run)
+    if not resume(run):  # a resumed accountant already holds them
+        count_prior_releases(engine, prior_history(cfg.init_from), rank)
     if rank == 0:
         logger.info(
             "[Ghost] train: %d logical steps, expected batch %d over %d rank(s), noise %.4g, "
@@ -183,22 +192,24 @@ def _noise(cfg: TrainConfig, plan, engine: PrivacyEngine, rank: int) -> float:
     return noise
 
 
-def resume(run: Run) -> None:
-    """With ``--resume``: the latest checkpoint's model, optimizer, DP and run state."""
+def resume(run: Run) -> bool:
+    """With ``--resume``: the latest checkpoint's model, optimizer, DP and run state.
+
+    Returns:
+        Whether a checkpoint was loaded.
+    """
     latest = latest_checkpoint(run.out) if run.cfg.resume else None
     if run.cfg.resume and latest is None:
         logger.warning("[Ghost] --resume: no checkpoint in %s; starting afresh", run.out)
     if latest is None:
-        return
+        return False
     load_checkpoint(
         str(latest), run.gsm, run.opt, engine=run.engine, fresh_noise=run.cfg.fresh_noise
     )
-    run.step = steps_taken(run.engine)
+    # The checkpoint's own step: the accountant may count more (the steps a fresh-noise resume
+    # drew anew, the releases an --init-from export carried); the run goes on from here.
     saved_at = checkpoint_step(latest)
-    if run.cfg.fresh_noise and saved_at is not None:
-        # the accountant also counts the steps the earlier run took after the checkpoint; the
-        # run goes on from the checkpoint's step, with its schedule (taken again, drawn anew)
-        run.step = saved_at
+    run.step = saved_at if saved_at is not None else steps_taken(run.engine)
     saved = load_run_state(latest, scheduler=run.scheduler)
     run.seen_before, run.wall_before = saved["examples_seen"], saved["wall_s"]
     dropped = truncate_metrics(run.out / "metrics.jsonl", run.step) if run.rank == 0 else 0
@@ -208,6 +219,7 @@ def resume(run: Run) -> None:
         run.step,
         dropped,
     )
+    return True
 
 
 def datasets(cfg: TrainConfig, vocab: int) -> tuple[TensorDataset, TensorDataset, Examples]:
