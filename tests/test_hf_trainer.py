@@ -141,11 +141,31 @@ def test_gradient_accumulation_is_folded_into_the_logical_batch(tmp_path):
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),  # batch-coupled noise scale
+        ({"push_to_hub": True, "hub_strategy": "checkpoint"}, "hub_strategy"),  # dp/ secrets
+        ({"push_to_hub": True, "hub_strategy": "all_checkpoints"}, "hub_strategy"),
     ],
 )
 def test_refused_arguments(tmp_path, overrides, match):
     with pytest.raises(UnsupportedConfigurationError, match=match):
         _trainer(tmp_path, DPArguments(target_epsilon=8.0), **overrides)
+
+
+def test_a_flattening_collator_is_refused_before_a_backward(tmp_path):
+    """A padding-free collator passed as ``data_collator`` packed each physical batch into one
+    row, clipped as one example (the update 4.4e-4 off an oracle update of 9.4e-4)."""
+    from transformers import DataCollatorWithFlattening
+
+    trainer = DPTrainer(
+        model=tiny_llama(0),
+        args=training_arguments(tmp_path, max_steps=1),
+        train_dataset=records(24),
+        data_collator=DataCollatorWithFlattening(),
+        dp_args=DPArguments(noise_multiplier=1.0, logical_batch_size=8),
+    )
+    with pytest.raises(UnsupportedConfigurationError, match="padding-free"):
+        trainer.train()
+    assert all(p.grad is None for p in trainer.model.parameters())
 
 
 def test_refused_samplers_losses_and_data(tmp_path):

@@ -20,8 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import UnsupportedConfigurationError
 from ...sampling.memory import near_equal_chunks
 from ...sampling.poisson import SharedPoissonSampler, physical_batches
+
+#: Keys of a flattened (padding-free) batch: several records' boundaries inside one row.
+_FLATTENED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"})
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,18 @@ class LogicalBatches:
             yield LogicalBatch([self._collate(chunk) for chunk in chunks], total)
 
     def _collate(self, indices: list[int]) -> dict:
-        if indices:
-            return dict(self.collate_fn([self.dataset[i] for i in indices]))
-        return self._empty_batch()
+        if not indices:
+            return self._empty_batch()
+        batch = dict(self.collate_fn([self.dataset[i] for i in indices]))
+        flattened = sorted(_FLATTENED_KEYS & batch.keys())
+        if batch_size(batch) != len(indices) or flattened:
+            raise UnsupportedConfigurationError(
+                f"the data collator made {batch_size(batch)} row(s) of {len(indices)} records"
+                f"{' with ' + ', '.join(flattened) if flattened else ''}: a padding-free "
+                "(flattening) collator packs a batch into one sequence, which per-example "
+                "clipping would clip as one example. Use a padding collator: one row per record."
+            )
+        return batch
 
     def _empty_batch(self) -> dict:
         """A batch of zero examples with the keys, dtypes and trailing shapes of a real one.

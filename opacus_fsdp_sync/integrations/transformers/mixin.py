@@ -44,6 +44,7 @@ from .checkpoints import (
 )
 from .loss import is_causal_lm, per_example_loss
 from .refusals import (
+    check_hub,
     check_parallelism,
     check_trainer,
     check_trainer_version,
@@ -96,6 +97,7 @@ class DPTrainerMixin:
             raise TypeError(f"dp_args must be DPArguments, got {type(dp_args).__name__}")
         check_trainer_version()
         args, kwargs = _copy_arguments(args, kwargs)
+        check_hub(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         self.dp_args = dp_args
         if self.dp_checkpointing_off_by_default:

@@ -43,6 +43,8 @@ _REFUSED_FLAGS: dict[str, str] = {
     "deepspeed": "DeepSpeed runs its own backward and gradient partitioning; use DDP or FSDP2",
     "auto_find_batch_size": "a retried batch size would re-run steps whose draws were already "
     "counted; set max_physical_batch_size instead",
+    "neftune_noise_alpha": "NEFTune scales each example's embedding noise by its batch's padded "
+    "length, so one example's gradient depends on the others in its batch",
 }
 
 #: ``SFTConfig`` fields refused when truthy, and why.
@@ -95,6 +97,30 @@ def plan_batches(args, dp: DPArguments, data_parallel_ranks: int) -> BatchPlan:
         max_physical_batch_size=dp.max_physical_batch_size or per_device,
         mapped_accumulation=accumulation,
     )
+
+
+def check_hub(args) -> None:
+    """Refuses pushing checkpoint folders to the Hub (before the Trainer contacts it).
+
+    Args:
+        args: The ``TrainingArguments`` (None: nothing to check).
+
+    Raises:
+        UnsupportedConfigurationError: for ``hub_strategy`` ``"checkpoint"`` or
+            ``"all_checkpoints"`` with ``push_to_hub``.
+    """
+    if args is None:
+        return
+    if args.push_to_hub and str(args.hub_strategy).split(".")[-1].lower() in (
+        "checkpoint",
+        "all_checkpoints",
+    ):
+        raise UnsupportedConfigurationError(
+            f"push_to_hub with hub_strategy={args.hub_strategy!r}: the checkpoint folders the "
+            "Hub would receive hold dp/, the sampler's seed and the noise generators' states, "
+            "from which every noise draw can be rebuilt. Use hub_strategy='every_save' or "
+            "'end' (the model and privacy.json only)."
+        )
 
 
 def check_training_arguments(args) -> None:
