@@ -121,7 +121,7 @@ def guarantee(
     noise: float,
     plan: StepPlan,
     steps: int,
-    history: list | None = None,
+    history: list,
 ) -> dict:
     """The privacy record of a run, for ``summary.json`` and each export's ``privacy.json``.
 
@@ -133,7 +133,7 @@ def guarantee(
         plan: The run's steps and sample rate.
         steps: Logical steps taken (and counted by the accountant) so far.
         history: The accountant's ``[sigma, q, steps]`` entries, the releases an ``--init-from``
-            export carried first; None: one entry of this run's.
+            export carried first.
 
     Returns:
         A JSON-ready dict.
@@ -151,7 +151,7 @@ def guarantee(
         "secure_mode": False,
         "dp_seed_given": cfg.dp_seed is not None,
         "init_from": cfg.init_from,
-        "history": history if history is not None else [[noise, plan.sample_rate, steps]],
+        "history": history,
         "not_private": NOT_PRIVATE,
     }
 
